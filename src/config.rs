@@ -1,0 +1,253 @@
+//! hako's configuration: a TOML file in which every key is optional.
+//!
+//! Unknown keys are rejected (with the key named) rather than ignored, so that a typo in an
+//! operator's config cannot silently fall back to a default.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Where `hako serve` looks for its config when `--config` is not given.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/hako/config.toml";
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// The CRI socket.
+    pub listen: PathBuf,
+    /// Persistent data: metadata store, image content and snapshots.
+    pub root: PathBuf,
+    /// Volatile state (tmpfs in production): sockets, per-pod runtime state.
+    pub state: PathBuf,
+    pub registry: RegistryConfig,
+    pub image: ImageConfig,
+    pub cni: CniConfig,
+    pub cdi: CdiConfig,
+    pub streaming: StreamingConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// containerd-style `certs.d` directory: `<config_path>/<host>/hosts.toml`.
+    pub config_path: PathBuf,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ImageConfig {
+    /// A pull that transfers no byte for this many seconds fails with DEADLINE_EXCEEDED.
+    pub pull_progress_timeout_secs: u64,
+    /// Layers of one image downloaded at the same time.
+    pub max_concurrent_downloads: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CniConfig {
+    pub conf_dir: PathBuf,
+    pub bin_dirs: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct CdiConfig {
+    /// Later directories override earlier ones.
+    pub spec_dirs: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StreamingConfig {
+    /// Address of the exec/attach/port-forward HTTP server.
+    pub address: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "/run/hako/hako.sock".into(),
+            root: "/var/lib/hako".into(),
+            state: "/run/hako".into(),
+            registry: RegistryConfig::default(),
+            image: ImageConfig::default(),
+            cni: CniConfig::default(),
+            cdi: CdiConfig::default(),
+            streaming: StreamingConfig::default(),
+        }
+    }
+}
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        RegistryConfig {
+            config_path: "/etc/hako/certs.d".into(),
+        }
+    }
+}
+
+impl Default for ImageConfig {
+    fn default() -> Self {
+        // containerd's image_pull_progress_timeout is 5 minutes, and its max_concurrent_downloads 3.
+        ImageConfig {
+            pull_progress_timeout_secs: 300,
+            max_concurrent_downloads: 3,
+        }
+    }
+}
+
+impl Default for CniConfig {
+    fn default() -> Self {
+        CniConfig {
+            conf_dir: "/etc/cni/net.d".into(),
+            bin_dirs: vec!["/opt/cni/bin".into(), "/usr/lib/cni".into()],
+        }
+    }
+}
+
+impl Default for CdiConfig {
+    fn default() -> Self {
+        CdiConfig {
+            spec_dirs: vec!["/etc/cdi".into(), "/var/run/cdi".into()],
+        }
+    }
+}
+
+impl Default for StreamingConfig {
+    fn default() -> Self {
+        StreamingConfig {
+            address: "127.0.0.1:0".into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid config file {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Loads the config. `explicit` is true when the operator named the file: then a missing file
+    /// is an error; the default file may be absent.
+    pub fn load(path: &Path, explicit: bool) -> Result<Config, ConfigError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
+                return Ok(Config::default());
+            }
+            Err(source) => {
+                return Err(ConfigError::Read {
+                    path: path.into(),
+                    source,
+                })
+            }
+        };
+        let config = Self::parse(&text).map_err(|message| ConfigError::Parse {
+            path: path.into(),
+            message,
+        })?;
+        config.validate().map_err(|message| ConfigError::Invalid {
+            path: path.into(),
+            message,
+        })?;
+        Ok(config)
+    }
+
+    /// Parses TOML text; the error names the offending key and line.
+    pub fn parse(text: &str) -> Result<Config, String> {
+        toml::from_str(text).map_err(|e| e.to_string().trim_end().replace('\n', " "))
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        for (key, path) in [
+            ("listen", &self.listen),
+            ("root", &self.root),
+            ("state", &self.state),
+        ] {
+            if !path.is_absolute() {
+                return Err(format!(
+                    "{key} must be an absolute path, got {}",
+                    path.display()
+                ));
+            }
+        }
+        if self.image.max_concurrent_downloads == 0 {
+            return Err("image.max_concurrent_downloads must be at least 1".into());
+        }
+        if self.image.pull_progress_timeout_secs == 0 {
+            return Err("image.pull_progress_timeout_secs must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The full default config, as `hako config default` prints it.
+    pub fn default_toml() -> String {
+        toml::to_string_pretty(&Config::default()).expect("default config serializes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn default_toml_round_trips() {
+        let text = Config::default_toml();
+        assert!(text.contains("[registry]"), "{text}");
+        assert_eq!(Config::parse(&text).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn keys_override_defaults() {
+        let c = Config::parse(
+            "root = \"/tmp/r\"\n[cni]\nbin_dirs = [\"/x\"]\n[image]\npull_progress_timeout_secs = 7\n",
+        )
+        .unwrap();
+        assert_eq!(c.root, PathBuf::from("/tmp/r"));
+        assert_eq!(c.cni.bin_dirs, vec![PathBuf::from("/x")]);
+        assert_eq!(c.cni.conf_dir, CniConfig::default().conf_dir);
+        assert_eq!(c.image.pull_progress_timeout_secs, 7);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = Config::parse("[registry]\nconfig_pth = \"/x\"\n").unwrap_err();
+        assert!(err.contains("config_pth"), "{err}");
+        let err = Config::parse("lisen = \"/x\"\n").unwrap_err();
+        assert!(err.contains("lisen"), "{err}");
+    }
+
+    #[test]
+    fn missing_default_file_is_fine_missing_explicit_is_not() {
+        let p = Path::new("/nonexistent/hako/config.toml");
+        assert_eq!(Config::load(p, false).unwrap(), Config::default());
+        let err = Config::load(p, true).unwrap_err();
+        assert!(
+            err.to_string().contains("/nonexistent/hako/config.toml"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn relative_root_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, "root = \"var/lib\"\n").unwrap();
+        let err = Config::load(&p, true).unwrap_err().to_string();
+        assert!(err.contains("root must be an absolute path"), "{err}");
+    }
+}

@@ -1,0 +1,181 @@
+//! `hako serve`: opens the store, binds the CRI socket, serves until SIGTERM/SIGINT.
+//!
+//! Shutdown: stop accepting, let in-flight calls finish (bounded by `SHUTDOWN_GRACE`), drop the
+//! store (redb flushes on drop), remove the socket, exit 0.
+
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+
+use crate::config::Config;
+use crate::error::{chain, Error, Result};
+use crate::image::Images;
+use crate::store::Store;
+
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// Everything the CRI handlers reach.
+pub struct Daemon {
+    pub config: Config,
+    pub images: Images,
+    pod_cidr: Mutex<String>,
+}
+
+/// One `Status` condition.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Condition {
+    pub ready: bool,
+    pub reason: String,
+    pub message: String,
+}
+
+pub struct Health {
+    pub runtime: Condition,
+    pub network: Condition,
+}
+
+impl Daemon {
+    /// Opens (or creates) the state under `config.root` and reconciles it.
+    pub async fn open(config: Config) -> Result<Daemon> {
+        for dir in [&config.root, &config.state] {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+                .map_err(|e| Error::io("change mode of", dir, e))?;
+        }
+        let store = Arc::new(Store::open(&config.root.join("meta.db"))?);
+        let images = Images::open(
+            &config.root,
+            store,
+            config.registry.config_path.clone(),
+            config.image.clone(),
+        )
+        .await?;
+        Ok(Daemon {
+            config,
+            images,
+            pod_cidr: Mutex::new(String::new()),
+        })
+    }
+
+    /// What `Status` reports. Pods and containers are not built yet, so the runtime is not
+    /// ready; networking (CNI) is not built either.
+    pub fn health(&self) -> Health {
+        Health {
+            runtime: Condition {
+                ready: false,
+                reason: "PodsNotImplemented".into(),
+                message: format!(
+                    "hako {} serves images only: pods and containers are not implemented yet",
+                    env!("CARGO_PKG_VERSION")
+                ),
+            },
+            network: Condition {
+                ready: false,
+                reason: "NetworkPluginNotReady".into(),
+                message: format!(
+                    "CNI networking is not implemented yet (config dir {})",
+                    self.config.cni.conf_dir.display()
+                ),
+            },
+        }
+    }
+
+    pub fn config_json(&self) -> String {
+        serde_json::to_string(&self.config).unwrap_or_default()
+    }
+
+    pub fn set_pod_cidr(&self, cidr: String) {
+        *self.pod_cidr.lock().expect("pod cidr poisoned") = cidr;
+    }
+}
+
+/// Binds the CRI socket with mode 0660. A stale socket file (nobody answering) is replaced; a
+/// live one means another daemon serves there, which is an error.
+pub fn bind(path: &Path) -> Result<UnixListener> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io("create directory", parent, e))?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(Error::FailedPrecondition(format!(
+                "another process is serving on {}",
+                path.display()
+            )));
+        }
+        std::fs::remove_file(path).map_err(|e| Error::io("remove stale socket", path, e))?;
+    }
+    let listener = UnixListener::bind(path).map_err(|e| Error::io("bind", path, e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| Error::io("change mode of", path, e))?;
+    Ok(listener)
+}
+
+/// Serves CRI on `listener` until `shutdown` resolves; then in-flight calls get
+/// `SHUTDOWN_GRACE` to finish. Tests call this directly with a temp socket.
+pub async fn run(
+    listener: UnixListener,
+    daemon: Arc<Daemon>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let (runtime, image) = crate::server::services(daemon);
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = signalled_tx.send(());
+        let _ = stop_tx.send(());
+    });
+    let server = tonic::transport::Server::builder()
+        .add_service(runtime)
+        .add_service(image)
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stop_rx.await;
+        });
+    tokio::pin!(server);
+    tokio::select! {
+        r = &mut server => return r.map_err(|e| Error::Internal(format!("grpc server: {}", chain(&e)))),
+        _ = signalled_rx => {}
+    }
+    tracing::info!("shutting down: finishing in-flight calls");
+    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+        Ok(r) => r.map_err(|e| Error::Internal(format!("grpc server: {}", chain(&e)))),
+        Err(_) => {
+            tracing::warn!(
+                grace_s = SHUTDOWN_GRACE.as_secs(),
+                "in-flight calls still running at the end of the grace period"
+            );
+            Ok(())
+        }
+    }
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+pub async fn signalled() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+/// `hako serve`.
+pub async fn serve(config: Config) -> Result<()> {
+    let listen = config.listen.clone();
+    let daemon = Arc::new(Daemon::open(config).await?);
+    let listener = bind(&listen)?;
+    tracing::info!(socket = %listen.display(), version = env!("CARGO_PKG_VERSION"), "hako serving CRI");
+    crate::notify::ready();
+    let result = run(listener, daemon.clone(), signalled()).await;
+    crate::notify::stopping();
+    let _ = std::fs::remove_file(&listen);
+    drop(daemon);
+    tracing::info!("stopped");
+    result
+}

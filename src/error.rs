@@ -1,0 +1,142 @@
+//! hako's domain error. Each variant is one kind of failure; the gRPC layer maps kinds to codes
+//! in exactly one place (`server::status`). Messages name the object and the cause; sources are
+//! kept so the whole chain reaches the caller and the log.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The named object does not exist.
+    #[error("{0} not found")]
+    NotFound(String),
+    /// The request itself is malformed (unparsable reference, bad field).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The object exists and the request conflicts with it.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// The system is not in a state that allows the operation.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// A registry refused our credentials (401).
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// A registry understood our credentials and refused access (403).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// An operation made no progress within its limit.
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    /// A remote service could not be reached or failed; retrying may help.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The RPC or feature is not built yet.
+    #[error("{0} is not implemented")]
+    Unimplemented(String),
+    /// A filesystem operation on `path` failed.
+    #[error("{op} {path}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The metadata store failed.
+    #[error("metadata store: {0}")]
+    Store(String),
+    /// Anything else: a bug or an unexpected condition.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Error {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// Wraps this error's message with a leading context while keeping its kind.
+    pub fn context(self, ctx: impl std::fmt::Display) -> Error {
+        let msg = format!("{ctx}: {}", chain(&self));
+        match self {
+            Error::NotFound(_) => Error::NotFound(msg.trim_end_matches(" not found").to_string()),
+            Error::InvalidArgument(_) => Error::InvalidArgument(msg),
+            Error::AlreadyExists(_) => Error::AlreadyExists(msg),
+            Error::FailedPrecondition(_) => Error::FailedPrecondition(msg),
+            Error::Unauthenticated(_) => Error::Unauthenticated(msg),
+            Error::PermissionDenied(_) => Error::PermissionDenied(msg),
+            Error::DeadlineExceeded(_) => Error::DeadlineExceeded(msg),
+            Error::Unavailable(_) => Error::Unavailable(msg),
+            Error::Unimplemented(_) | Error::Io { .. } | Error::Store(_) | Error::Internal(_) => {
+                Error::Internal(msg)
+            }
+        }
+    }
+}
+
+/// The error and all its sources, joined with ": ".
+pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        let s = e.to_string();
+        // Some libraries repeat their source in their own message (#[error(transparent)]).
+        if !out.ends_with(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+        cur = e.source();
+    }
+    out
+}
+
+impl From<redb::Error> for Error {
+    fn from(e: redb::Error) -> Self {
+        Error::Store(chain(&e))
+    }
+}
+
+macro_rules! store_error_from {
+    ($($t:ty),*) => {$(
+        impl From<$t> for Error {
+            fn from(e: $t) -> Self {
+                Error::Store(chain(&e))
+            }
+        }
+    )*};
+}
+store_error_from!(
+    redb::DatabaseError,
+    redb::TransactionError,
+    redb::TableError,
+    redb::StorageError,
+    redb::CommitError
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_includes_sources() {
+        let e = Error::io(
+            "create",
+            "/x/y",
+            std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied"),
+        );
+        assert_eq!(chain(&e), "create /x/y: denied");
+    }
+
+    #[test]
+    fn context_keeps_kind() {
+        let e = Error::Unauthenticated("registry r refused credentials".into()).context("pull x");
+        assert!(
+            matches!(e, Error::Unauthenticated(ref m) if m == "pull x: registry r refused credentials")
+        );
+    }
+}

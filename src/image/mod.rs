@@ -1,0 +1,504 @@
+//! The image store: pulled images, their content (manifest and config) and their unpacked layers.
+//!
+//! On disk, under the root dir:
+//! - `content/sha256/<hex>`: manifests and configs, written atomically (temp file + rename).
+//! - `snapshots/<hex of chain id>/fs`: one unpacked layer each, overlay-ready.
+//! - `ingest/`: layers being downloaded; `snapshots/tmp-*`: layers being unpacked. Both are
+//!   emptied at start: whatever is there belongs to a pull that died.
+//!
+//! An image is recorded in the store only after every layer is unpacked and its content is
+//! written, so a crash mid-pull never leaves a half image listed. Snapshots and content that no
+//! image (and no pull in progress, through a lease) references are garbage-collected.
+
+pub mod hosts;
+mod pull;
+pub mod registry;
+pub mod unpack;
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::config::ImageConfig;
+use crate::error::{Error, Result};
+use crate::store::{ImageRecord, Store};
+
+pub use registry::Credentials;
+
+/// A parsed image name, normalized as containerd does (`busybox` → `docker.io/library/busybox`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Name {
+    pub registry: String,
+    pub repository: String,
+    pub tag: Option<String>,
+    pub digest: Option<String>,
+}
+
+impl Name {
+    pub fn parse(s: &str) -> Result<Name> {
+        let r: oci_client::Reference = s
+            .parse()
+            .map_err(|e| Error::InvalidArgument(format!("invalid image reference {s:?}: {e}")))?;
+        let digest = r.digest().map(str::to_string);
+        Ok(Name {
+            registry: r.registry().to_string(),
+            repository: r.repository().to_string(),
+            // A digest pins the content; a tag beside it says nothing more (docker drops it too).
+            tag: if digest.is_some() {
+                None
+            } else {
+                r.tag().map(str::to_string)
+            },
+            digest,
+        })
+    }
+
+    /// `registry/repository`.
+    pub fn repo(&self) -> String {
+        format!("{}/{}", self.registry, self.repository)
+    }
+
+    /// The canonical text: `repo:tag` or `repo@digest`.
+    pub fn canonical(&self) -> String {
+        match (&self.digest, &self.tag) {
+            (Some(d), _) => format!("{}@{d}", self.repo()),
+            (None, Some(t)) => format!("{}:{t}", self.repo()),
+            (None, None) => format!("{}:latest", self.repo()),
+        }
+    }
+}
+
+/// What the CRI layer shows of an image.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImageInfo {
+    pub id: String,
+    pub repo_tags: Vec<String>,
+    pub repo_digests: Vec<String>,
+    pub size: u64,
+    pub uid: Option<i64>,
+    pub username: String,
+}
+
+/// Disk use of the image store.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FsUsage {
+    pub mountpoint: PathBuf,
+    pub used_bytes: u64,
+    pub inodes_used: u64,
+}
+
+impl ImageInfo {
+    fn from_record(r: &ImageRecord) -> ImageInfo {
+        let (uid, username) = user_of(&r.user);
+        ImageInfo {
+            id: r.id.clone(),
+            repo_tags: r.repo_tags.clone(),
+            repo_digests: r.repo_digests.clone(),
+            size: r.size,
+            uid,
+            username,
+        }
+    }
+}
+
+/// Splits a config `User` into a numeric uid or a user name, as the CRI reports it: the group
+/// part is dropped; `1002` is uid 1002, `www-data` is the name www-data; empty gives neither
+/// (as containerd reports it).
+pub fn user_of(user: &str) -> (Option<i64>, String) {
+    let u = user.split(':').next().unwrap_or("");
+    if u.is_empty() {
+        return (None, String::new());
+    }
+    match u.parse::<i64>() {
+        Ok(n) => (Some(n), String::new()),
+        Err(_) => (None, u.to_string()),
+    }
+}
+
+#[derive(Clone)]
+pub struct Images {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Arc<Store>,
+    content_dir: PathBuf,
+    snapshots_dir: PathBuf,
+    ingest_dir: PathBuf,
+    hosts_dir: PathBuf,
+    config: ImageConfig,
+    clients: registry::Clients,
+    /// Layers being fetched and unpacked, by chain id, shared by every pull that needs them.
+    inflight: Mutex<HashMap<String, pull::LayerFuture>>,
+    /// Chain ids and content digests that pulls in progress hold against GC.
+    leases: Mutex<HashMap<u64, Vec<String>>>,
+    next_lease: AtomicU64,
+    downloads: tokio::sync::Semaphore,
+    /// One collection at a time.
+    gc_lock: tokio::sync::Mutex<()>,
+}
+
+/// Holds names against GC until dropped.
+struct Lease {
+    inner: Arc<Inner>,
+    id: u64,
+}
+
+impl Lease {
+    fn add(&self, items: impl IntoIterator<Item = String>) {
+        let mut leases = self.inner.leases.lock().expect("leases poisoned");
+        leases.entry(self.id).or_default().extend(items);
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.inner
+            .leases
+            .lock()
+            .expect("leases poisoned")
+            .remove(&self.id);
+    }
+}
+
+fn hex_of(digest: &str) -> &str {
+    digest.strip_prefix("sha256:").unwrap_or(digest)
+}
+
+impl Images {
+    /// Opens the image store under `root` and reconciles it with the disk.
+    pub async fn open(
+        root: &Path,
+        store: Arc<Store>,
+        hosts_dir: PathBuf,
+        config: ImageConfig,
+    ) -> Result<Images> {
+        let content_dir = root.join("content").join("sha256");
+        let snapshots_dir = root.join("snapshots");
+        let ingest_dir = root.join("ingest");
+        for d in [&content_dir, &snapshots_dir] {
+            std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
+        }
+        // Leftovers of pulls that died with an earlier daemon.
+        let _ = std::fs::remove_dir_all(&ingest_dir);
+        std::fs::create_dir_all(&ingest_dir)
+            .map_err(|e| Error::io("create directory", &ingest_dir, e))?;
+        let images = Images {
+            inner: Arc::new(Inner {
+                store,
+                content_dir,
+                snapshots_dir,
+                ingest_dir,
+                hosts_dir,
+                downloads: tokio::sync::Semaphore::new(config.max_concurrent_downloads),
+                config,
+                clients: registry::Clients::default(),
+                inflight: Mutex::new(HashMap::new()),
+                leases: Mutex::new(HashMap::new()),
+                next_lease: AtomicU64::new(1),
+                gc_lock: tokio::sync::Mutex::new(()),
+            }),
+        };
+        images.remove_stale_unpacks()?;
+        images.reconcile().await?;
+        Ok(images)
+    }
+
+    fn lease(&self) -> Lease {
+        Lease {
+            inner: self.inner.clone(),
+            id: self.inner.next_lease.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    fn snapshot_dir(&self, chain_id: &str) -> PathBuf {
+        self.inner.snapshots_dir.join(hex_of(chain_id))
+    }
+
+    /// The directory to use as an overlay lowerdir for a layer.
+    pub fn snapshot_fs(&self, chain_id: &str) -> PathBuf {
+        self.snapshot_dir(chain_id).join("fs")
+    }
+
+    fn content_path(&self, digest: &str) -> PathBuf {
+        self.inner.content_dir.join(hex_of(digest))
+    }
+
+    pub fn read_content(&self, digest: &str) -> Result<Vec<u8>> {
+        let p = self.content_path(digest);
+        std::fs::read(&p).map_err(|e| Error::io("read content", &p, e))
+    }
+
+    fn write_content(&self, digest: &str, data: &[u8]) -> Result<()> {
+        use std::io::Write;
+        let path = self.content_path(digest);
+        if path.exists() {
+            return Ok(());
+        }
+        let tmp = self.inner.ingest_dir.join(format!(
+            "content-{}-{}",
+            hex_of(digest),
+            std::process::id()
+        ));
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(data)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &path)
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::io("write content", &path, e)
+        })
+    }
+
+    /// Finds an image by id (full, or a unique prefix of at least 4 hex digits), repo tag or
+    /// repo digest, in the forms kubelet and crictl use.
+    pub fn find(&self, spec: &str) -> Result<Option<ImageRecord>> {
+        let store = &self.inner.store;
+        let spec = spec.trim();
+        if spec.is_empty() {
+            return Err(Error::InvalidArgument("image reference is empty".into()));
+        }
+        let is_hex = |s: &str| {
+            !s.is_empty()
+                && s.bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        };
+        let bare = spec.strip_prefix("sha256:").unwrap_or(spec);
+        if is_hex(bare) && bare.len() == 64 {
+            if let Some(r) = store.image(&format!("sha256:{bare}"))? {
+                return Ok(Some(r));
+            }
+        }
+        if let Ok(name) = Name::parse(spec) {
+            if let Some(id) = store.image_id_by_name(&name.canonical())? {
+                return store.image(&id);
+            }
+        }
+        if is_hex(bare) && bare.len() >= 4 && bare.len() < 64 {
+            let matches: Vec<_> = store
+                .images()?
+                .into_iter()
+                .filter(|r| hex_of(&r.id).starts_with(bare))
+                .collect();
+            if matches.len() > 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "image id prefix {spec} is ambiguous"
+                )));
+            }
+            return Ok(matches.into_iter().next());
+        }
+        Ok(None)
+    }
+
+    pub fn list(&self, filter: Option<&str>) -> Result<Vec<ImageInfo>> {
+        let mut out: Vec<ImageInfo> = match filter {
+            Some(f) if !f.is_empty() => self.find(f)?.iter().map(ImageInfo::from_record).collect(),
+            _ => self
+                .inner
+                .store
+                .images()?
+                .iter()
+                .map(ImageInfo::from_record)
+                .collect(),
+        };
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// The image and, when `verbose`, a JSON document with its manifest digest, layers and config.
+    pub fn status(&self, spec: &str, verbose: bool) -> Result<Option<(ImageInfo, Option<String>)>> {
+        let Some(rec) = self.find(spec)? else {
+            return Ok(None);
+        };
+        let info = if verbose {
+            let config: serde_json::Value = serde_json::from_slice(&self.read_content(&rec.id)?)
+                .map_err(|e| Error::Internal(format!("image {} config: {e}", rec.id)))?;
+            Some(
+                serde_json::json!({
+                    "id": rec.id,
+                    "manifestDigest": rec.manifest_digest,
+                    "chainIDs": rec.chain_ids,
+                    "snapshots": rec.chain_ids.iter().map(|c| self.snapshot_fs(c)).collect::<Vec<_>>(),
+                    "pulledAt": rec.pulled_at,
+                    "imageSpec": config,
+                })
+                .to_string(),
+            )
+        } else {
+            None
+        };
+        Ok(Some((ImageInfo::from_record(&rec), info)))
+    }
+
+    /// Removes the image `spec` names, with all its tags and digests, as containerd does.
+    /// An image that does not exist is already removed: success.
+    pub async fn remove(&self, spec: &str) -> Result<()> {
+        let Some(rec) = self.find(spec)? else {
+            return Ok(());
+        };
+        self.inner.store.remove_image(&rec.id)?;
+        tracing::info!(image = %rec.id, tags = ?rec.repo_tags, "removed image");
+        self.gc().await
+    }
+
+    pub fn fs_usage(&self) -> Result<FsUsage> {
+        let mut used_bytes = 0;
+        let mut inodes_used = 0;
+        for s in self.inner.store.snapshots()? {
+            used_bytes += s.usage_bytes;
+            inodes_used += s.usage_inodes;
+        }
+        let dir = &self.inner.content_dir;
+        for e in std::fs::read_dir(dir).map_err(|e| Error::io("read directory", dir, e))? {
+            let e = e.map_err(|e| Error::io("read directory", dir, e))?;
+            if let Ok(md) = e.metadata() {
+                use std::os::unix::fs::MetadataExt;
+                used_bytes += md.blocks() * 512;
+                inodes_used += 1;
+            }
+        }
+        Ok(FsUsage {
+            mountpoint: self.inner.snapshots_dir.clone(),
+            used_bytes,
+            inodes_used,
+        })
+    }
+
+    /// Makes the store agree with the disk: drops records whose files are gone (logged), then
+    /// collects files no record owns.
+    async fn reconcile(&self) -> Result<()> {
+        let store = &self.inner.store;
+        let mut broken_snapshots = HashSet::new();
+        for s in store.snapshots()? {
+            if !self.snapshot_fs(&s.chain_id).is_dir() {
+                tracing::error!(chain_id = %s.chain_id, "snapshot directory missing; dropping its record");
+                store.remove_snapshot(&s.chain_id)?;
+                broken_snapshots.insert(s.chain_id);
+            }
+        }
+        for img in store.images()? {
+            let missing_layer = img.chain_ids.iter().find(|c| {
+                broken_snapshots.contains(*c) || store.snapshot(c).ok().flatten().is_none()
+            });
+            let missing_content = [&img.id, &img.manifest_digest]
+                .into_iter()
+                .find(|d| !self.content_path(d).exists());
+            if let Some(what) = missing_layer.or(missing_content) {
+                tracing::error!(image = %img.id, tags = ?img.repo_tags, missing = %what, "image incomplete on disk; removing it, pull it again");
+                store.remove_image(&img.id)?;
+            }
+        }
+        self.gc().await
+    }
+
+    /// Removes snapshots and content that no image and no pull in progress references.
+    pub async fn gc(&self) -> Result<()> {
+        let _g = self.inner.gc_lock.lock().await;
+        let mut keep: HashSet<String> = HashSet::new();
+        for img in self.inner.store.images()? {
+            keep.insert(img.id.clone());
+            keep.insert(img.manifest_digest.clone());
+            keep.extend(img.chain_ids.iter().cloned());
+        }
+        for items in self.inner.leases.lock().expect("leases poisoned").values() {
+            keep.extend(items.iter().cloned());
+        }
+        keep.extend(
+            self.inner
+                .inflight
+                .lock()
+                .expect("inflight poisoned")
+                .keys()
+                .cloned(),
+        );
+        let keep_hex: HashSet<String> = keep.iter().map(|d| hex_of(d).to_string()).collect();
+
+        let store = self.inner.store.clone();
+        let snapshots_dir = self.inner.snapshots_dir.clone();
+        let content_dir = self.inner.content_dir.clone();
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            for s in store.snapshots()? {
+                if !keep.contains(&s.chain_id) {
+                    store.remove_snapshot(&s.chain_id)?;
+                }
+            }
+            for (dir, is_snap) in [(&snapshots_dir, true), (&content_dir, false)] {
+                for e in std::fs::read_dir(dir).map_err(|e| Error::io("read directory", dir, e))? {
+                    let e = e.map_err(|e| Error::io("read directory", dir, e))?;
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    // tmp-* dirs belong to unpacks in progress; start-up removes stale ones.
+                    if is_snap && name.starts_with("tmp-") || keep_hex.contains(&name) {
+                        continue;
+                    }
+                    let p = e.path();
+                    let r = if p.is_dir() {
+                        std::fs::remove_dir_all(&p)
+                    } else {
+                        std::fs::remove_file(&p)
+                    };
+                    match r {
+                        Ok(()) => tracing::debug!(path = %p.display(), "collected"),
+                        Err(err) => {
+                            tracing::warn!(path = %p.display(), error = %err, "cannot collect")
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("gc task: {e}")))?
+    }
+
+    /// Removes unpack directories left by a daemon that died mid-pull. Only at start: later,
+    /// tmp-* directories belong to live unpacks.
+    fn remove_stale_unpacks(&self) -> Result<()> {
+        let dir = &self.inner.snapshots_dir;
+        for e in std::fs::read_dir(dir).map_err(|e| Error::io("read directory", dir, e))? {
+            let e = e.map_err(|e| Error::io("read directory", dir, e))?;
+            if e.file_name().to_string_lossy().starts_with("tmp-") {
+                tracing::info!(path = %e.path().display(), "removing an unpack left by an earlier daemon");
+                std::fs::remove_dir_all(e.path())
+                    .map_err(|err| Error::io("remove", e.path(), err))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_normalized_like_containerd() {
+        let n = Name::parse("busybox").unwrap();
+        assert_eq!(n.canonical(), "docker.io/library/busybox:latest");
+        assert_eq!(
+            Name::parse("gcr.io/a/b:1").unwrap().canonical(),
+            "gcr.io/a/b:1"
+        );
+        let d = format!("sha256:{}", "a".repeat(64));
+        let n = Name::parse(&format!("quay.io/x/y:tag@{d}")).unwrap();
+        assert_eq!(n.canonical(), format!("quay.io/x/y@{d}"));
+        assert_eq!(n.tag, None);
+        assert_eq!(
+            Name::parse("127.0.0.1:5000/t/i:v2").unwrap().repo(),
+            "127.0.0.1:5000/t/i"
+        );
+        let err = Name::parse("BusyBox:1").unwrap_err().to_string();
+        assert!(err.contains("BusyBox:1"), "{err}");
+    }
+
+    #[test]
+    fn user_field_maps_to_uid_or_name() {
+        assert_eq!(user_of(""), (None, String::new()));
+        assert_eq!(user_of("1002"), (Some(1002), String::new()));
+        assert_eq!(user_of("1003:1004"), (Some(1003), String::new()));
+        assert_eq!(user_of("www-data"), (None, "www-data".to_string()));
+        assert_eq!(user_of("www-data:1004"), (None, "www-data".to_string()));
+    }
+}

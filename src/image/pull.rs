@@ -1,0 +1,652 @@
+//! Pulling an image: resolve the reference through the configured endpoints, pick the node's
+//! platform, then fetch and unpack every layer, sharing layer work between concurrent pulls.
+//!
+//! Each layer is one spawned task keyed by chain id in `Inner::inflight`: a second pull of the
+//! same image (or of another image sharing a layer) awaits the same task instead of downloading
+//! again. Downloads of one image run in parallel (bounded by `max_concurrent_downloads`); each
+//! layer is unpacked as soon as it is downloaded and the layer below it is unpacked, since its
+//! paths resolve through the layers below. A task runs to completion even if every pull that
+//! asked for it is cancelled, so a half-written directory is never left to a dropped future.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures::future::{BoxFuture, FutureExt, Shared};
+use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
+use sha2::{Digest, Sha256};
+use tokio::io::AsyncWrite;
+
+use super::hosts::{self, Endpoint};
+use super::registry::{Credentials, Source};
+use super::{hex_of, Images, Name};
+use crate::error::{chain, Error, Result};
+use crate::store::{ImageRecord, SnapshotRecord, RECORD_VERSION};
+
+pub(super) type LayerFuture = Shared<BoxFuture<'static, Result<(), Arc<Error>>>>;
+
+const MEDIA_OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+const MEDIA_DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
+const MEDIA_OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+const MEDIA_DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+const ACCEPT: &[&str] = &[
+    MEDIA_OCI_INDEX,
+    MEDIA_DOCKER_LIST,
+    MEDIA_OCI_MANIFEST,
+    MEDIA_DOCKER_MANIFEST,
+];
+
+/// Layer media types we can unpack (compression is detected from the bytes).
+fn is_layer_media_type(mt: &str) -> bool {
+    mt.starts_with("application/vnd.oci.image.layer.")
+        || mt.starts_with("application/vnd.docker.image.rootfs.diff.tar")
+        || mt.starts_with("application/vnd.docker.image.rootfs.foreign.diff.tar")
+}
+
+/// Bytes moved recently: a pull fails only when nothing moves for the configured time.
+#[derive(Debug)]
+pub(super) struct Progress {
+    start: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Progress {
+    fn new() -> Arc<Progress> {
+        Arc::new(Progress {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        })
+    }
+    fn bump(&self) {
+        self.last_ms
+            .store(self.start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+    fn idle(&self) -> Duration {
+        let last = Duration::from_millis(self.last_ms.load(Ordering::Relaxed));
+        self.start.elapsed().saturating_sub(last)
+    }
+}
+
+/// Runs `fut` until it finishes or `progress` stays idle for `limit`.
+async fn until_stalled<T>(
+    fut: impl Future<Output = Result<T>>,
+    progress: &Progress,
+    limit: Duration,
+    what: impl Fn() -> String,
+) -> Result<T> {
+    tokio::pin!(fut);
+    loop {
+        let idle = progress.idle();
+        if idle >= limit {
+            return Err(Error::DeadlineExceeded(format!(
+                "{}: no progress for {} s",
+                what(),
+                limit.as_secs()
+            )));
+        }
+        tokio::select! {
+            r = &mut fut => return r,
+            _ = tokio::time::sleep(limit - idle) => {}
+        }
+    }
+}
+
+/// An `AsyncWrite` that reports every byte written to a `Progress`.
+struct ProgressWriter<W> {
+    inner: W,
+    progress: Arc<Progress>,
+}
+
+impl<W: AsyncWrite + Unpin> AsyncWrite for ProgressWriter<W> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = r {
+            if n > 0 {
+                self.progress.bump();
+            }
+        }
+        r
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// `chainID(L0) = diffID(L0)`, `chainID(Ln) = sha256(chainID(Ln-1) + " " + diffID(Ln))`.
+pub fn chain_ids(diff_ids: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(diff_ids.len());
+    for d in diff_ids {
+        let next = match out.last() {
+            None => d.clone(),
+            Some(prev) => format!(
+                "sha256:{:x}",
+                Sha256::digest(format!("{prev} {d}").as_bytes())
+            ),
+        };
+        out.push(next);
+    }
+    out
+}
+
+/// The node's platform in OCI terms.
+fn node_arch() -> &'static str {
+    match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "x86" => "386",
+        "powerpc64" => "ppc64le",
+        other => other,
+    }
+}
+
+/// Picks the manifest for linux/<node arch> from an index (amd64 has no variants to weigh;
+/// for arm64, `v8` or no variant).
+fn select_platform(index: &ImageIndex, image: &str) -> Result<(String, i64)> {
+    let arch = node_arch();
+    let mut best: Option<&oci_spec::image::Descriptor> = None;
+    for m in index.manifests() {
+        let Some(p) = m.platform() else { continue };
+        if p.os().to_string() != "linux" || p.architecture().to_string() != arch {
+            continue;
+        }
+        let variant_ok = match (arch, p.variant().as_deref()) {
+            ("arm64", Some(v)) => v == "v8",
+            _ => true,
+        };
+        if variant_ok && best.is_none() {
+            best = Some(m);
+        }
+    }
+    best.map(|m| (m.digest().to_string(), m.size() as i64))
+        .ok_or_else(|| {
+            Error::NotFound(format!(
+                "manifest for platform linux/{arch} in image {image}"
+            ))
+        })
+}
+
+struct Resolved {
+    source: Arc<Source>,
+    /// Digest of what the name resolved to (index or manifest): the repo digest.
+    top_digest: String,
+    manifest: ImageManifest,
+    manifest_bytes: bytes::Bytes,
+    manifest_digest: String,
+}
+
+impl Images {
+    /// Pulls `image` and returns its id. Fails with DEADLINE_EXCEEDED when a transfer makes no
+    /// progress for `pull_progress_timeout_secs`; a failed pull leaves no files behind.
+    pub async fn pull(&self, image: &str, creds: &Credentials) -> Result<String> {
+        let name = Name::parse(image)?;
+        let started = Instant::now();
+        let lease = self.lease();
+        let result = self.pull_inner(&name, creds, &lease).await;
+        drop(lease);
+        match &result {
+            Ok(id) => {
+                tracing::info!(image = %name.canonical(), id = %id, elapsed_ms = started.elapsed().as_millis() as u64, "pulled image")
+            }
+            Err(e) => {
+                tracing::warn!(image = %name.canonical(), error = %chain(e), "pull failed");
+                // Layers this pull finished but no image references go now, not at next start.
+                if let Err(gc) = self.gc().await {
+                    tracing::warn!(error = %chain(&gc), "gc after failed pull");
+                }
+            }
+        }
+        result.map_err(|e| e.context(format!("pull image {}", name.canonical())))
+    }
+
+    async fn pull_inner(
+        &self,
+        name: &Name,
+        creds: &Credentials,
+        lease: &super::Lease,
+    ) -> Result<String> {
+        let endpoints = hosts::endpoints(&self.inner.hosts_dir, &name.registry)?;
+        let resolved = self.resolve(name, &endpoints, creds).await?;
+        let manifest = &resolved.manifest;
+        let source = resolved.source.clone();
+        let limit = Duration::from_secs(self.inner.config.pull_progress_timeout_secs);
+
+        let config_desc = manifest.config();
+        let config_digest = config_desc.digest().to_string();
+        lease.add([config_digest.clone(), resolved.manifest_digest.clone()]);
+        let config_bytes = {
+            let progress = Progress::new();
+            let mut buf = Vec::new();
+            let reference = source.at_digest(&resolved.manifest_digest);
+            until_stalled(
+                source.blob(
+                    &reference,
+                    &config_digest,
+                    config_desc.size() as i64,
+                    &config_desc.media_type().to_string(),
+                    &mut buf,
+                ),
+                &progress,
+                limit,
+                || format!("fetch config {config_digest}"),
+            )
+            .await?;
+            buf
+        };
+        let config: ImageConfiguration = serde_json::from_slice(&config_bytes)
+            .map_err(|e| Error::InvalidArgument(format!("image config {config_digest}: {e}")))?;
+        let diff_ids: Vec<String> = config.rootfs().diff_ids().to_vec();
+        let layers = manifest.layers();
+        if diff_ids.len() != layers.len() {
+            return Err(Error::InvalidArgument(format!(
+                "image config {config_digest} lists {} layers, the manifest {}",
+                diff_ids.len(),
+                layers.len()
+            )));
+        }
+        for l in layers {
+            let mt = l.media_type().to_string();
+            if !is_layer_media_type(&mt) {
+                return Err(Error::InvalidArgument(format!(
+                    "layer {} has unsupported media type {mt}",
+                    l.digest()
+                )));
+            }
+        }
+        let chains = chain_ids(&diff_ids);
+        lease.add(chains.iter().cloned());
+
+        let mut prev: Option<LayerFuture> = None;
+        let mut futs = Vec::with_capacity(layers.len());
+        for (i, l) in layers.iter().enumerate() {
+            let job = LayerJob {
+                images: self.clone(),
+                source: source.clone(),
+                manifest_digest: resolved.manifest_digest.clone(),
+                digest: l.digest().to_string(),
+                size: l.size() as i64,
+                media_type: l.media_type().to_string(),
+                chain_id: chains[i].clone(),
+                diff_id: diff_ids[i].clone(),
+                lowers: chains[..i].iter().rev().cloned().collect(),
+                parent: prev.clone(),
+            };
+            let fut = self.layer(job);
+            prev = Some(fut.clone());
+            futs.push(fut);
+        }
+        for r in futures::future::join_all(futs).await {
+            r.map_err(|e| duplicate(&e))?;
+        }
+
+        self.write_content(&resolved.manifest_digest, &resolved.manifest_bytes)?;
+        self.write_content(&config_digest, &config_bytes)?;
+        let size = resolved.manifest_bytes.len() as u64
+            + config_bytes.len() as u64
+            + layers.iter().map(|l| l.size()).sum::<u64>();
+        let user = config
+            .config()
+            .as_ref()
+            .and_then(|c| c.user().clone())
+            .unwrap_or_default();
+        let record = ImageRecord {
+            v: RECORD_VERSION,
+            id: config_digest.clone(),
+            repo_tags: name
+                .digest
+                .is_none()
+                .then(|| name.canonical())
+                .into_iter()
+                .collect(),
+            repo_digests: vec![format!("{}@{}", name.repo(), resolved.top_digest)],
+            manifest_digest: resolved.manifest_digest.clone(),
+            size,
+            chain_ids: chains,
+            user,
+            pulled_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or(0),
+        };
+        let orphans = self.inner.store.put_image(&record)?;
+        for o in &orphans {
+            tracing::info!(image = %o.id, "image lost its last name to a newer pull; removed");
+        }
+        if !orphans.is_empty() {
+            self.gc().await?;
+        }
+        Ok(config_digest)
+    }
+
+    /// Finds the manifest: endpoints are tried in order (mirrors, then the server); one that
+    /// fails is logged and the next tried; the last error is returned.
+    async fn resolve(
+        &self,
+        name: &Name,
+        endpoints: &[Endpoint],
+        creds: &Credentials,
+    ) -> Result<Resolved> {
+        let limit = Duration::from_secs(self.inner.config.pull_progress_timeout_secs);
+        let mut last_err = None;
+        for ep in endpoints {
+            let usable = if name.digest.is_some() {
+                ep.pull
+            } else {
+                ep.resolve
+            };
+            if !usable {
+                continue;
+            }
+            let progress = Progress::new();
+            let attempt = until_stalled(self.resolve_at(ep, name, creds), &progress, limit, || {
+                format!("resolve {} at {}", name.canonical(), ep.url())
+            })
+            .await;
+            match attempt {
+                Ok(r) => return Ok(r),
+                Err(e) => {
+                    tracing::debug!(endpoint = %ep.url(), error = %chain(&e), "endpoint failed; trying the next");
+                    last_err = Some(e);
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| {
+            Error::FailedPrecondition(format!(
+                "no endpoint of registry {} may resolve {}",
+                name.registry,
+                name.canonical()
+            ))
+        }))
+    }
+
+    async fn resolve_at(
+        &self,
+        ep: &Endpoint,
+        name: &Name,
+        creds: &Credentials,
+    ) -> Result<Resolved> {
+        let source = Arc::new(self.inner.clients.source(ep, name, creds).await?);
+        let (bytes, top_digest) = source.manifest(&source.reference, ACCEPT).await?;
+        let v: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| Error::InvalidArgument(format!("manifest {top_digest}: {e}")))?;
+        if v.get("schemaVersion").and_then(|s| s.as_i64()) == Some(1) {
+            return Err(Error::InvalidArgument(format!(
+                "manifest {top_digest} is docker schema 1, which is not supported"
+            )));
+        }
+        let media_type = v.get("mediaType").and_then(|m| m.as_str()).unwrap_or("");
+        let is_index = media_type == MEDIA_OCI_INDEX
+            || media_type == MEDIA_DOCKER_LIST
+            || v.get("manifests").is_some();
+        let (manifest_bytes, manifest_digest) = if is_index {
+            let index: ImageIndex = serde_json::from_slice(&bytes)
+                .map_err(|e| Error::InvalidArgument(format!("image index {top_digest}: {e}")))?;
+            let (digest, _) = select_platform(&index, &name.canonical())?;
+            let reference = source.at_digest(&digest);
+            source
+                .manifest(&reference, &[MEDIA_OCI_MANIFEST, MEDIA_DOCKER_MANIFEST])
+                .await?
+        } else {
+            (bytes, top_digest.clone())
+        };
+        let manifest: ImageManifest = serde_json::from_slice(&manifest_bytes)
+            .map_err(|e| Error::InvalidArgument(format!("manifest {manifest_digest}: {e}")))?;
+        Ok(Resolved {
+            source,
+            top_digest,
+            manifest,
+            manifest_bytes,
+            manifest_digest,
+        })
+    }
+
+    /// The shared task that makes `job.chain_id` exist as a snapshot.
+    fn layer(&self, job: LayerJob) -> LayerFuture {
+        let mut inflight = self.inner.inflight.lock().expect("inflight poisoned");
+        if let Some(f) = inflight.get(&job.chain_id) {
+            return f.clone();
+        }
+        if matches!(self.inner.store.snapshot(&job.chain_id), Ok(Some(_)))
+            && self.snapshot_fs(&job.chain_id).is_dir()
+        {
+            return futures::future::ready(Ok(())).boxed().shared();
+        }
+        let chain_id = job.chain_id.clone();
+        let images = self.clone();
+        let handle = tokio::spawn(async move {
+            let chain_id = job.chain_id.clone();
+            let r = job.run().await;
+            images
+                .inner
+                .inflight
+                .lock()
+                .expect("inflight poisoned")
+                .remove(&chain_id);
+            r.map_err(Arc::new)
+        });
+        let fut = async move {
+            match handle.await {
+                Ok(r) => r,
+                Err(e) => Err(Arc::new(Error::Internal(format!("layer task: {e}")))),
+            }
+        }
+        .boxed()
+        .shared();
+        inflight.insert(chain_id, fut.clone());
+        fut
+    }
+}
+
+/// A copy of a shared error, same kind and message.
+fn duplicate(e: &Error) -> Error {
+    let m = chain(e);
+    match e {
+        Error::NotFound(s) => Error::NotFound(s.clone()),
+        Error::InvalidArgument(_) => Error::InvalidArgument(m),
+        Error::AlreadyExists(_) => Error::AlreadyExists(m),
+        Error::FailedPrecondition(_) => Error::FailedPrecondition(m),
+        Error::Unauthenticated(_) => Error::Unauthenticated(m),
+        Error::PermissionDenied(_) => Error::PermissionDenied(m),
+        Error::DeadlineExceeded(_) => Error::DeadlineExceeded(m),
+        Error::Unavailable(_) => Error::Unavailable(m),
+        _ => Error::Internal(m),
+    }
+}
+
+struct LayerJob {
+    images: Images,
+    source: Arc<Source>,
+    manifest_digest: String,
+    digest: String,
+    size: i64,
+    media_type: String,
+    chain_id: String,
+    diff_id: String,
+    /// Chain ids of the layers below, topmost first.
+    lowers: Vec<String>,
+    parent: Option<LayerFuture>,
+}
+
+/// Removes a path when dropped unless disarmed: the undo of a step, registered right after it.
+struct Cleanup(Option<PathBuf>);
+
+impl Cleanup {
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let r = if p.is_dir() {
+                std::fs::remove_dir_all(&p)
+            } else {
+                std::fs::remove_file(&p)
+            };
+            if let Err(e) = r {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %p.display(), error = %e, "cleanup failed");
+                }
+            }
+        }
+    }
+}
+
+impl LayerJob {
+    async fn run(self) -> Result<()> {
+        let inner = &self.images.inner;
+        let limit = Duration::from_secs(inner.config.pull_progress_timeout_secs);
+        let ingest = inner
+            .ingest_dir
+            .join(format!("{}-{}", hex_of(&self.digest), unique()));
+        let _ingest_cleanup = Cleanup(Some(ingest.clone()));
+        {
+            let _permit = inner
+                .downloads
+                .acquire()
+                .await
+                .map_err(|_| Error::Internal("download semaphore closed".into()))?;
+            let file = tokio::fs::File::create(&ingest)
+                .await
+                .map_err(|e| Error::io("create", &ingest, e))?;
+            let progress = Progress::new();
+            let reference = self.source.at_digest(&self.manifest_digest);
+            let mut writer = ProgressWriter {
+                inner: tokio::io::BufWriter::with_capacity(256 * 1024, file),
+                progress: progress.clone(),
+            };
+            until_stalled(
+                self.source.blob(
+                    &reference,
+                    &self.digest,
+                    self.size,
+                    &self.media_type,
+                    &mut writer,
+                ),
+                &progress,
+                limit,
+                || format!("download layer {}", self.digest),
+            )
+            .await?;
+        }
+        if let Some(parent) = self.parent.clone() {
+            parent
+                .await
+                .map_err(|e| duplicate(&e).context(format!("layer below {}", self.digest)))?;
+        }
+        let final_dir = self.images.snapshot_dir(&self.chain_id);
+        let tmp = inner.snapshots_dir.join(format!(
+            "tmp-{}-{}",
+            &hex_of(&self.chain_id)[..12.min(hex_of(&self.chain_id).len())],
+            unique()
+        ));
+        let mut tmp_cleanup = Cleanup(Some(tmp.clone()));
+        let lowers: Vec<PathBuf> = self
+            .lowers
+            .iter()
+            .map(|c| self.images.snapshot_fs(c))
+            .collect();
+        let fs_dir = tmp.join("fs");
+        let diff_id = self.diff_id.clone();
+        let digest = self.digest.clone();
+        let started = Instant::now();
+        let unpacked = tokio::task::spawn_blocking(move || -> Result<super::unpack::Unpacked> {
+            std::fs::create_dir_all(&fs_dir)
+                .map_err(|e| Error::io("create directory", &fs_dir, e))?;
+            let f = std::fs::File::open(&ingest).map_err(|e| Error::io("open", &ingest, e))?;
+            super::unpack::unpack_layer(f, &fs_dir, &lowers, &diff_id).map_err(|e| {
+                Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e)))
+            })
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("unpack task: {e}")))??;
+        if final_dir.exists() {
+            // A record-less leftover of an earlier run: ours replaces it.
+            std::fs::remove_dir_all(&final_dir).map_err(|e| Error::io("remove", &final_dir, e))?;
+        }
+        std::fs::rename(&tmp, &final_dir)
+            .map_err(|e| Error::io("rename snapshot into", &final_dir, e))?;
+        tmp_cleanup.disarm();
+        let mut final_cleanup = Cleanup(Some(final_dir.clone()));
+        inner.store.put_snapshot(&SnapshotRecord {
+            v: RECORD_VERSION,
+            chain_id: self.chain_id.clone(),
+            diff_id: unpacked.diff_id,
+            parent: self.lowers.first().cloned(),
+            usage_bytes: unpacked.usage_bytes,
+            usage_inodes: unpacked.usage_inodes,
+        })?;
+        final_cleanup.disarm();
+        tracing::debug!(layer = %self.digest, chain_id = %self.chain_id, unpack_ms = started.elapsed().as_millis() as u64, "layer ready");
+        Ok(())
+    }
+}
+
+fn unique() -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_ids_follow_the_oci_definition() {
+        let d = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+        let ids = chain_ids(&[d('a'), d('b')]);
+        assert_eq!(ids[0], d('a'));
+        let expect = format!(
+            "sha256:{:x}",
+            Sha256::digest(format!("{} {}", d('a'), d('b')).as_bytes())
+        );
+        assert_eq!(ids[1], expect);
+    }
+
+    #[tokio::test]
+    async fn stalled_future_fails_with_deadline_exceeded() {
+        let p = Progress::new();
+        let never = futures::future::pending::<Result<()>>();
+        let err = until_stalled(never, &p, Duration::from_millis(50), || "x".into())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::DeadlineExceeded(ref m) if m.starts_with("x: no progress")),
+            "{err}"
+        );
+    }
+
+    #[tokio::test]
+    async fn progress_keeps_a_slow_future_alive() {
+        let p = Progress::new();
+        let p2 = p.clone();
+        let slow = async move {
+            for _ in 0..6 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                p2.bump();
+            }
+            Ok(7)
+        };
+        assert_eq!(
+            until_stalled(slow, &p, Duration::from_millis(60), || "x".into())
+                .await
+                .unwrap(),
+            7
+        );
+    }
+}

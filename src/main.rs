@@ -1,0 +1,119 @@
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use hako::config::{Config, DEFAULT_CONFIG_PATH};
+
+#[derive(Parser)]
+#[command(
+    name = "hako",
+    version,
+    about = "A Kubernetes CRI runtime with an embedded OCI executor"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the CRI daemon.
+    Serve {
+        /// Config file [default: /etc/hako/config.toml, which may be absent].
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// CRI socket path (overrides `listen`).
+        #[arg(long)]
+        listen: Option<PathBuf>,
+        /// Persistent data directory (overrides `root`).
+        #[arg(long)]
+        root: Option<PathBuf>,
+        /// Volatile state directory (overrides `state`).
+        #[arg(long)]
+        state: Option<PathBuf>,
+        /// Log filter, e.g. `info` or `hako=debug` [default: $HAKO_LOG or info].
+        #[arg(long)]
+        log_level: Option<String>,
+    },
+    /// Configuration helpers.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Print the version.
+    Version,
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print the full default config.
+    Default,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Version => {
+            println!("hako {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
+        Command::Config {
+            command: ConfigCommand::Default,
+        } => {
+            print!("{}", Config::default_toml());
+            ExitCode::SUCCESS
+        }
+        Command::Serve {
+            config,
+            listen,
+            root,
+            state,
+            log_level,
+        } => {
+            init_logging(log_level);
+            let explicit = config.is_some();
+            let path = config.unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
+            let mut cfg = match Config::load(&path, explicit) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("hako: {}", hako::error::chain(&e));
+                    return ExitCode::from(2);
+                }
+            };
+            if let Some(l) = listen {
+                cfg.listen = l;
+            }
+            if let Some(r) = root {
+                cfg.root = r;
+            }
+            if let Some(s) = state {
+                cfg.state = s;
+            }
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            match rt.block_on(hako::daemon::serve(cfg)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!(error = %hako::error::chain(&e), "hako serve failed");
+                    eprintln!("hako: {}", hako::error::chain(&e));
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn init_logging(level: Option<String>) {
+    let filter = level
+        .or_else(|| std::env::var("HAKO_LOG").ok())
+        .unwrap_or_else(|| "info".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}

@@ -1,0 +1,76 @@
+//! The CRI gRPC layer: the only code that names CRI types. Handlers convert requests to hako's
+//! own types, call the domain, and convert back; errors become gRPC statuses in [`status`] only.
+
+mod image;
+mod runtime;
+
+use std::sync::Arc;
+
+use k8s_cri::v1::image_service_server::ImageServiceServer;
+use k8s_cri::v1::runtime_service_server::RuntimeServiceServer;
+
+use crate::daemon::Daemon;
+use crate::error::{chain, Error};
+
+/// The CRI services over `daemon`, ready to add to a tonic server.
+pub fn services(
+    daemon: Arc<Daemon>,
+) -> (
+    RuntimeServiceServer<runtime::Runtime>,
+    ImageServiceServer<image::ImageSvc>,
+) {
+    // Image configs and list responses of big nodes exceed tonic's 4 MiB default.
+    const MAX_MSG: usize = 16 * 1024 * 1024;
+    (
+        RuntimeServiceServer::new(runtime::Runtime {
+            daemon: daemon.clone(),
+        })
+        .max_decoding_message_size(MAX_MSG)
+        .max_encoding_message_size(MAX_MSG),
+        ImageServiceServer::new(image::ImageSvc { daemon })
+            .max_decoding_message_size(MAX_MSG)
+            .max_encoding_message_size(MAX_MSG),
+    )
+}
+
+/// The one place where error kinds become gRPC codes. Logged here, once, with the RPC name.
+pub fn status(rpc: &str, e: Error) -> tonic::Status {
+    use tonic::Code;
+    let code = match &e {
+        Error::NotFound(_) => Code::NotFound,
+        Error::InvalidArgument(_) => Code::InvalidArgument,
+        Error::AlreadyExists(_) => Code::AlreadyExists,
+        Error::FailedPrecondition(_) => Code::FailedPrecondition,
+        Error::Unauthenticated(_) => Code::Unauthenticated,
+        Error::PermissionDenied(_) => Code::PermissionDenied,
+        Error::DeadlineExceeded(_) => Code::DeadlineExceeded,
+        Error::Unavailable(_) => Code::Unavailable,
+        Error::Unimplemented(_) => Code::Unimplemented,
+        Error::Io { .. } | Error::Store(_) | Error::Internal(_) => Code::Internal,
+    };
+    let message = chain(&e);
+    match code {
+        Code::NotFound | Code::Unimplemented => {
+            tracing::debug!(rpc, code = ?code, error = %message)
+        }
+        Code::Internal => tracing::error!(rpc, code = ?code, error = %message),
+        _ => tracing::warn!(rpc, code = ?code, error = %message),
+    }
+    tonic::Status::new(code, message)
+}
+
+/// UNIMPLEMENTED naming the RPC: an honest answer for what is not built yet.
+fn unimplemented<T>(rpc: &str) -> Result<tonic::Response<T>, tonic::Status> {
+    Err(status(
+        rpc,
+        Error::Unimplemented(format!("{rpc} in hako {}", env!("CARGO_PKG_VERSION"))),
+    ))
+}
+
+/// Current time in nanoseconds since the epoch, as CRI timestamps are.
+fn now_nanos() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,310 @@
+//! The metadata store: one redb file under the root dir.
+//!
+//! Records are JSON with a version field `v`, so a later hako can read (or migrate) what an
+//! earlier one wrote. Everything here is a hint to be reconciled with the filesystem at start:
+//! a record whose files are gone is dropped and logged, and files no record owns are removed.
+//!
+//! Tables:
+//! - `images`: image id (`sha256:<config digest>`) → [`ImageRecord`]
+//! - `names`: repo tag or repo digest → image id. A name points at exactly one image.
+//! - `snapshots`: chain id → [`SnapshotRecord`]. A snapshot exists only once fully unpacked.
+
+use std::path::Path;
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+const IMAGES: TableDefinition<&str, &[u8]> = TableDefinition::new("images");
+const NAMES: TableDefinition<&str, &str> = TableDefinition::new("names");
+const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
+
+pub const RECORD_VERSION: u32 = 1;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ImageRecord {
+    pub v: u32,
+    /// `sha256:<config digest>`.
+    pub id: String,
+    pub repo_tags: Vec<String>,
+    pub repo_digests: Vec<String>,
+    /// Digest of the platform manifest (not of the index).
+    pub manifest_digest: String,
+    /// Bytes of manifest, config and compressed layers, as the registry served them.
+    pub size: u64,
+    /// Chain ids of the layers, bottom first.
+    pub chain_ids: Vec<String>,
+    /// The config's `User` (`uid`, `name`, `uid:gid`, `name:group`), empty for root.
+    #[serde(default)]
+    pub user: String,
+    /// Unix seconds when first pulled.
+    pub pulled_at: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SnapshotRecord {
+    pub v: u32,
+    pub chain_id: String,
+    /// Uncompressed digest of the layer.
+    pub diff_id: String,
+    /// Chain id of the snapshot below, if any.
+    pub parent: Option<String>,
+    /// Disk usage of the unpacked layer: allocated bytes and inodes.
+    pub usage_bytes: u64,
+    pub usage_inodes: u64,
+}
+
+pub struct Store {
+    db: Database,
+}
+
+fn encode<T: Serialize>(rec: &T) -> Vec<u8> {
+    serde_json::to_vec(rec).expect("records serialize")
+}
+
+fn decode<T: DeserializeOwned>(table: &str, key: &str, bytes: &[u8]) -> Result<T> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| Error::Store(format!("corrupt {table} record {key}: {e}")))
+}
+
+impl Store {
+    pub fn open(path: &Path) -> Result<Store> {
+        let db = Database::create(path).map_err(|e| {
+            Error::Store(format!(
+                "open {}: {}",
+                path.display(),
+                crate::error::chain(&e)
+            ))
+        })?;
+        let txn = db.begin_write()?;
+        txn.open_table(IMAGES)?;
+        txn.open_table(NAMES)?;
+        txn.open_table(SNAPSHOTS)?;
+        txn.commit()?;
+        Ok(Store { db })
+    }
+
+    pub fn images(&self) -> Result<Vec<ImageRecord>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(IMAGES)?;
+        let mut out = Vec::new();
+        for row in table.iter()? {
+            let (k, v) = row?;
+            out.push(decode("images", k.value(), v.value())?);
+        }
+        Ok(out)
+    }
+
+    pub fn image(&self, id: &str) -> Result<Option<ImageRecord>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(IMAGES)?;
+        match table.get(id)? {
+            Some(v) => Ok(Some(decode("images", id, v.value())?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The image a repo tag or repo digest points at.
+    pub fn image_id_by_name(&self, name: &str) -> Result<Option<String>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(NAMES)?;
+        Ok(table.get(name)?.map(|v| v.value().to_string()))
+    }
+
+    pub fn snapshot(&self, chain_id: &str) -> Result<Option<SnapshotRecord>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(SNAPSHOTS)?;
+        match table.get(chain_id)? {
+            Some(v) => Ok(Some(decode("snapshots", chain_id, v.value())?)),
+            None => Ok(None),
+        }
+    }
+
+    pub fn snapshots(&self) -> Result<Vec<SnapshotRecord>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(SNAPSHOTS)?;
+        let mut out = Vec::new();
+        for row in table.iter()? {
+            let (k, v) = row?;
+            out.push(decode("snapshots", k.value(), v.value())?);
+        }
+        Ok(out)
+    }
+
+    pub fn put_snapshot(&self, rec: &SnapshotRecord) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(SNAPSHOTS)?
+            .insert(rec.chain_id.as_str(), encode(rec).as_slice())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn remove_snapshot(&self, chain_id: &str) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(SNAPSHOTS)?.remove(chain_id)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Records a pulled image under `names`, in one transaction. A name that pointed at another
+    /// image moves to this one; an image left with no name is removed and returned, so the
+    /// caller can collect its files (docker and containerd both untag the older image).
+    pub fn put_image(&self, rec: &ImageRecord) -> Result<Vec<ImageRecord>> {
+        let txn = self.db.begin_write()?;
+        let mut orphans = Vec::new();
+        {
+            let mut images = txn.open_table(IMAGES)?;
+            let mut names = txn.open_table(NAMES)?;
+            let mut merged = match images.get(rec.id.as_str())? {
+                Some(v) => decode::<ImageRecord>("images", &rec.id, v.value())?,
+                None => rec.clone(),
+            };
+            for name in rec.repo_tags.iter().chain(&rec.repo_digests) {
+                let previous = names
+                    .insert(name.as_str(), rec.id.as_str())?
+                    .map(|v| v.value().to_string());
+                if let Some(prev) = previous.filter(|p| p != &rec.id) {
+                    let prev_rec = images.get(prev.as_str())?.map(|v| v.value().to_vec());
+                    if let Some(bytes) = prev_rec {
+                        let mut old: ImageRecord = decode("images", &prev, &bytes)?;
+                        old.repo_tags.retain(|t| t != name);
+                        old.repo_digests.retain(|d| d != name);
+                        if old.repo_tags.is_empty() && old.repo_digests.is_empty() {
+                            images.remove(prev.as_str())?;
+                            orphans.push(old);
+                        } else {
+                            images.insert(prev.as_str(), encode(&old).as_slice())?;
+                        }
+                    }
+                }
+            }
+            for t in &rec.repo_tags {
+                if !merged.repo_tags.contains(t) {
+                    merged.repo_tags.push(t.clone());
+                }
+            }
+            for d in &rec.repo_digests {
+                if !merged.repo_digests.contains(d) {
+                    merged.repo_digests.push(d.clone());
+                }
+            }
+            images.insert(rec.id.as_str(), encode(&merged).as_slice())?;
+        }
+        txn.commit()?;
+        Ok(orphans)
+    }
+
+    /// Removes an image and every name pointing at it.
+    pub fn remove_image(&self, id: &str) -> Result<Option<ImageRecord>> {
+        let txn = self.db.begin_write()?;
+        let removed = {
+            let mut images = txn.open_table(IMAGES)?;
+            let mut names = txn.open_table(NAMES)?;
+            let removed = images.remove(id)?.map(|v| v.value().to_vec());
+            match removed {
+                Some(bytes) => {
+                    let rec: ImageRecord = decode("images", id, &bytes)?;
+                    for n in rec.repo_tags.iter().chain(&rec.repo_digests) {
+                        names.remove(n.as_str())?;
+                    }
+                    Some(rec)
+                }
+                None => None,
+            }
+        };
+        txn.commit()?;
+        Ok(removed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image(id: &str, tags: &[&str]) -> ImageRecord {
+        ImageRecord {
+            v: RECORD_VERSION,
+            id: id.into(),
+            repo_tags: tags.iter().map(|s| s.to_string()).collect(),
+            repo_digests: vec![format!("r@{id}")],
+            manifest_digest: "sha256:m".into(),
+            size: 1,
+            chain_ids: vec![],
+            user: String::new(),
+            pulled_at: 0,
+        }
+    }
+
+    #[test]
+    fn retag_moves_name_and_orphans_untagged_image() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db")).unwrap();
+        assert!(s
+            .put_image(&image("sha256:a", &["r:1"]))
+            .unwrap()
+            .is_empty());
+        assert_eq!(
+            s.image_id_by_name("r:1").unwrap().as_deref(),
+            Some("sha256:a")
+        );
+        // r:1 now names b: a keeps only its digest name, so it stays.
+        assert!(s
+            .put_image(&image("sha256:b", &["r:1"]))
+            .unwrap()
+            .is_empty());
+        assert_eq!(
+            s.image_id_by_name("r:1").unwrap().as_deref(),
+            Some("sha256:b")
+        );
+        assert_eq!(
+            s.image("sha256:a").unwrap().unwrap().repo_tags,
+            Vec::<String>::new()
+        );
+        // Re-pulling b under another tag merges names.
+        s.put_image(&image("sha256:b", &["r:2"])).unwrap();
+        assert_eq!(
+            s.image("sha256:b").unwrap().unwrap().repo_tags,
+            vec!["r:1", "r:2"]
+        );
+        let removed = s.remove_image("sha256:b").unwrap().unwrap();
+        assert_eq!(removed.id, "sha256:b");
+        assert_eq!(s.image_id_by_name("r:2").unwrap(), None);
+        assert_eq!(s.images().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn image_losing_every_name_is_returned_as_orphan() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db")).unwrap();
+        let mut a = image("sha256:a", &["r:1"]);
+        a.repo_digests.clear();
+        s.put_image(&a).unwrap();
+        let orphans = s.put_image(&image("sha256:b", &["r:1"])).unwrap();
+        assert_eq!(orphans.len(), 1);
+        assert_eq!(orphans[0].id, "sha256:a");
+        assert_eq!(s.image("sha256:a").unwrap(), None);
+    }
+
+    #[test]
+    fn records_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meta.db");
+        {
+            let s = Store::open(&path).unwrap();
+            s.put_image(&image("sha256:a", &["r:1"])).unwrap();
+            s.put_snapshot(&SnapshotRecord {
+                v: 1,
+                chain_id: "sha256:c".into(),
+                diff_id: "sha256:d".into(),
+                parent: None,
+                usage_bytes: 4096,
+                usage_inodes: 2,
+            })
+            .unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.images().unwrap().len(), 1);
+        assert_eq!(s.snapshot("sha256:c").unwrap().unwrap().usage_inodes, 2);
+    }
+}
