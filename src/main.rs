@@ -89,7 +89,6 @@ fn main() -> ExitCode {
             if let Some(s) = state {
                 cfg.state = s;
             }
-            let _ = rustls::crypto::ring::default_provider().install_default();
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()

@@ -174,6 +174,8 @@ impl Images {
         hosts_dir: PathBuf,
         config: ImageConfig,
     ) -> Result<Images> {
+        // The registry client's TLS needs a process-wide crypto provider; ring is the one built.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let content_dir = root.join("content").join("sha256");
         let snapshots_dir = root.join("snapshots");
         let ingest_dir = root.join("ingest");
@@ -236,11 +238,11 @@ impl Images {
         if path.exists() {
             return Ok(());
         }
-        let tmp = self.inner.ingest_dir.join(format!(
-            "content-{}-{}",
-            hex_of(digest),
-            std::process::id()
-        ));
+        // Concurrent pulls of one image write the same content: each through its own temp file.
+        let tmp =
+            self.inner
+                .ingest_dir
+                .join(format!("content-{}-{}", hex_of(digest), pull::unique()));
         let write = || -> std::io::Result<()> {
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(data)?;

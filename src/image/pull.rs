@@ -233,7 +233,7 @@ impl Images {
                     &reference,
                     &config_digest,
                     config_desc.size() as i64,
-                    &config_desc.media_type().to_string(),
+                    config_desc.media_type().as_ref(),
                     &mut buf,
                 ),
                 &progress,
@@ -593,7 +593,8 @@ impl LayerJob {
     }
 }
 
-fn unique() -> String {
+/// A name part no other live writer uses.
+pub(super) fn unique() -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     format!(
         "{}-{}",

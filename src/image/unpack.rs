@@ -193,7 +193,7 @@ impl<'a> Unpacker<'a> {
         let Some((base, parent)) = comps.split_last() else {
             return Ok(()); // "./" or "/": the root itself; its metadata is ours to choose.
         };
-        let meta = self.meta(entry).map_err(|e| UnpackError::Read(e))?;
+        let meta = self.meta(entry).map_err(UnpackError::Read)?;
         let kind = entry.header().entry_type();
 
         if base == OPAQUE_MARKER {

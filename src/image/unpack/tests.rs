@@ -202,7 +202,7 @@ fn lower_layer_symlinks_are_followed_inside_the_root() {
     unpack(
         &tarball(&[E::File("lib/libc.so", b"c", 0o644)]),
         &l1,
-        &[l0.clone()],
+        std::slice::from_ref(&l0),
     )
     .unwrap();
     assert_eq!(fs::read(l1.join("usr/lib/libc.so")).unwrap(), b"c");
@@ -291,7 +291,7 @@ fn directory_recreated_over_a_whiteout_is_opaque() {
         E::File("data/f", b"1", 0o644),
         E::Dir("old/", 0o755),
     ]);
-    unpack(&t, &l1, &[l0.clone()]).unwrap();
+    unpack(&t, &l1, std::slice::from_ref(&l0)).unwrap();
     assert!(
         l1.join("data/f").exists(),
         "the whited-out symlink is not followed"
@@ -357,7 +357,7 @@ fn opaque_lower_dir_hides_layers_below_it() {
     unpack(
         &tarball(&[E::Dir("d/", 0o755), E::File("d/.wh..wh..opq", b"", 0o644)]),
         &l1,
-        &[l0.clone()],
+        std::slice::from_ref(&l0),
     )
     .unwrap();
     let l2 = layer_dir(&root, "l2");

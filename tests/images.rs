@@ -1,0 +1,834 @@
+//! End-to-end tests of the ImageService: a real `hako serve`, a real registry (Debian's
+//! docker-registry) on 127.0.0.1, images built here from Debian's busybox, CRI over gRPC.
+
+mod support;
+
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use k8s_cri::v1 as cri;
+use support::hako::Hako;
+use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
+use support::proxy::{Behaviour, Proxy};
+use support::registry::Registry;
+
+fn spec(image: &str) -> Option<cri::ImageSpec> {
+    Some(cri::ImageSpec {
+        image: image.into(),
+        ..Default::default()
+    })
+}
+
+fn base() -> &'static Vec<u8> {
+    static BASE: OnceLock<Vec<u8>> = OnceLock::new();
+    BASE.get_or_init(oci::busybox_base_tar)
+}
+
+fn busybox_image(
+    extra: Option<(&str, &[u8])>,
+    c: Compression,
+    docker: bool,
+    conf: &ImageConf,
+) -> Image {
+    let mut layers = vec![Layer::new(base(), c, docker)];
+    if let Some((path, content)) = extra {
+        layers.push(Layer::new(&oci::marker_tar(path, content), c, docker));
+    }
+    Image::new(layers, conf, docker)
+}
+
+async fn pull(h: &Hako, image: &str) -> Result<String, tonic::Status> {
+    let mut c = h.images().await;
+    c.pull_image(cri::PullImageRequest {
+        image: spec(image),
+        ..Default::default()
+    })
+    .await
+    .map(|r| r.into_inner().image_ref)
+}
+
+async fn pull_with(h: &Hako, image: &str, auth: cri::AuthConfig) -> Result<String, tonic::Status> {
+    let mut c = h.images().await;
+    c.pull_image(cri::PullImageRequest {
+        image: spec(image),
+        auth: Some(auth),
+        ..Default::default()
+    })
+    .await
+    .map(|r| r.into_inner().image_ref)
+}
+
+async fn status(h: &Hako, image: &str) -> Option<cri::Image> {
+    let mut c = h.images().await;
+    c.image_status(cri::ImageStatusRequest {
+        image: spec(image),
+        verbose: false,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .image
+}
+
+async fn list(h: &Hako) -> Vec<cri::Image> {
+    let mut c = h.images().await;
+    c.list_images(cri::ListImagesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .images
+}
+
+fn snapshot_dirs(h: &Hako) -> Vec<String> {
+    std::fs::read_dir(h.root.join("snapshots"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn ingest_files(h: &Hako) -> Vec<String> {
+    Hako::files_under(&h.root.join("ingest"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pull_status_list_remove() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = busybox_image(
+        Some(("hello", b"hi")),
+        Compression::Gzip,
+        false,
+        &ImageConf {
+            user: "1002".into(),
+            ..Default::default()
+        },
+    );
+    let digest = Pusher::new(&reg.addr)
+        .push("hako-test/busybox", "1.0", &img)
+        .await;
+    let h = Hako::start("");
+    let name = format!("{}/hako-test/busybox:1.0", reg.addr);
+
+    let id = pull(&h, &name).await.unwrap();
+    assert_eq!(
+        id,
+        img.id(),
+        "PullImage returns the image id (config digest)"
+    );
+
+    let st = status(&h, &name).await.expect("image listed after pull");
+    assert_eq!(st.id, img.id());
+    assert_eq!(st.repo_tags, vec![name.clone()]);
+    let repo_digest = format!("{}/hako-test/busybox@{digest}", reg.addr);
+    assert_eq!(st.repo_digests, vec![repo_digest.clone()]);
+    assert_eq!(st.uid.as_ref().map(|u| u.value), Some(1002));
+    let expected_size: usize = img.layers.iter().map(|l| l.blob.len()).sum::<usize>()
+        + img.config.len()
+        + img.manifest().0.len();
+    assert_eq!(st.size, expected_size as u64);
+    // The same image by id, short id, repo digest.
+    for alias in [
+        st.id.clone(),
+        st.id["sha256:".len().."sha256:".len() + 12].to_string(),
+        repo_digest.clone(),
+    ] {
+        assert_eq!(
+            status(&h, &alias).await.as_ref(),
+            Some(&st),
+            "status by {alias}"
+        );
+    }
+    // Verbose status carries the config.
+    let mut c = h.images().await;
+    let v = c
+        .image_status(cri::ImageStatusRequest {
+            image: spec(&name),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let info: serde_json::Value = serde_json::from_str(&v.info["info"]).unwrap();
+    assert_eq!(info["imageSpec"]["config"]["User"], "1002");
+
+    // The layers are unpacked: busybox runs from the snapshot, applets are hard links.
+    let chain_ids = info["chainIDs"].as_array().unwrap();
+    assert_eq!(chain_ids.len(), 2);
+    let lower = h
+        .root
+        .join("snapshots")
+        .join(chain_ids[0].as_str().unwrap().trim_start_matches("sha256:"))
+        .join("fs");
+    let bb = std::fs::metadata(lower.join("bin/busybox")).unwrap();
+    assert_eq!(
+        bb.permissions().mode() & 0o111,
+        0o111,
+        "busybox is executable"
+    );
+    assert_eq!(
+        std::fs::metadata(lower.join("bin/sh")).unwrap().ino(),
+        bb.ino()
+    );
+    assert!(
+        std::fs::metadata(lower.join("tmp")).unwrap().mode() & 0o1000 != 0,
+        "sticky /tmp"
+    );
+    let upper = h
+        .root
+        .join("snapshots")
+        .join(chain_ids[1].as_str().unwrap().trim_start_matches("sha256:"))
+        .join("fs");
+    assert_eq!(std::fs::read(upper.join("hello")).unwrap(), b"hi");
+
+    // Listing and filtering.
+    let all = list(&h).await;
+    assert_eq!(all.len(), 1);
+    let mut c = h.images().await;
+    let filtered = c
+        .list_images(cri::ListImagesRequest {
+            filter: Some(cri::ImageFilter { image: spec(&name) }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .images;
+    assert_eq!(filtered.len(), 1);
+    let none = c
+        .list_images(cri::ListImagesRequest {
+            filter: Some(cri::ImageFilter {
+                image: spec("nothing/here:1"),
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .images;
+    assert!(none.is_empty());
+
+    // ImageFsInfo reports what the store really uses.
+    let fs = c
+        .image_fs_info(cri::ImageFsInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let u = &fs.image_filesystems[0];
+    assert!(u.used_bytes.as_ref().unwrap().value > 1_000_000, "{u:?}");
+    // ~260 busybox applets are hard links to one inode: inodes are counted once.
+    assert!(u.inodes_used.as_ref().unwrap().value > 20, "{u:?}");
+    assert_eq!(
+        u.fs_id.as_ref().unwrap().mountpoint,
+        h.root.join("snapshots").display().to_string()
+    );
+
+    // Remove by tag: everything goes, disk usage drops to nothing.
+    c.remove_image(cri::RemoveImageRequest { image: spec(&name) })
+        .await
+        .unwrap();
+    assert_eq!(status(&h, &name).await, None);
+    assert_eq!(status(&h, &repo_digest).await, None);
+    assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
+    assert!(Hako::files_under(&h.root.join("content/sha256")).is_empty());
+    let fs = c
+        .image_fs_info(cri::ImageFsInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        fs.image_filesystems[0].inodes_used.as_ref().unwrap().value,
+        0
+    );
+    // Removing an unknown image succeeds (critest expects it).
+    c.remove_image(cri::RemoveImageRequest { image: spec(&name) })
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn manifest_formats_compressions_and_platform_indexes() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let p = Pusher::new(&reg.addr);
+    let conf = ImageConf::default();
+    let docker_gzip = busybox_image(Some(("fmt", b"docker")), Compression::Gzip, true, &conf);
+    let oci_zstd = busybox_image(Some(("fmt", b"zstd")), Compression::Zstd, false, &conf);
+    let oci_plain = busybox_image(Some(("fmt", b"plain")), Compression::None, false, &conf);
+    p.push("fmt/docker", "v", &docker_gzip).await;
+    p.push("fmt/zstd", "v", &oci_zstd).await;
+    p.push("fmt/plain", "v", &oci_plain).await;
+    // A two-platform index: the arm64 image differs, so the id tells which one was chosen.
+    let arm = busybox_image(
+        Some(("fmt", b"arm64")),
+        Compression::Gzip,
+        false,
+        &ImageConf {
+            architecture: Some("arm64".into()),
+            ..Default::default()
+        },
+    );
+    let amd = busybox_image(Some(("fmt", b"amd64")), Compression::Gzip, false, &conf);
+    let arm_d = p.push("fmt/multi", "arm64-only", &arm).await;
+    let amd_d = p.push("fmt/multi", "amd64-only", &amd).await;
+    let idx = p
+        .push_index(
+            "fmt/multi",
+            "v",
+            &[
+                (arm_d, arm.manifest().0.len(), "arm64"),
+                (amd_d.clone(), amd.manifest().0.len(), "amd64"),
+            ],
+            false,
+        )
+        .await;
+    let h = Hako::start("");
+    for (repo, img, content) in [
+        ("fmt/docker", &docker_gzip, "docker"),
+        ("fmt/zstd", &oci_zstd, "zstd"),
+        ("fmt/plain", &oci_plain, "plain"),
+    ] {
+        let id = pull(&h, &format!("{}/{repo}:v", reg.addr))
+            .await
+            .unwrap_or_else(|e| panic!("{repo}: {e}"));
+        assert_eq!(id, img.id(), "{repo}");
+        let _ = content;
+    }
+    let multi = format!("{}/fmt/multi:v", reg.addr);
+    assert_eq!(
+        pull(&h, &multi).await.unwrap(),
+        amd.id(),
+        "the amd64 manifest of the index"
+    );
+    let st = status(&h, &multi).await.unwrap();
+    assert_eq!(
+        st.repo_digests,
+        vec![format!("{}/fmt/multi@{idx}", reg.addr)],
+        "repo digest is the index digest"
+    );
+    // By digest, and tag+digest (the tag is ignored): no tag is recorded.
+    let by_digest = format!(
+        "{}/fmt/zstd@{}",
+        reg.addr,
+        oci::sha256(&oci_zstd.manifest().0)
+    );
+    assert_eq!(pull(&h, &by_digest).await.unwrap(), oci_zstd.id());
+    let both = format!(
+        "{}/fmt/plain:v@{}",
+        reg.addr,
+        oci::sha256(&oci_plain.manifest().0)
+    );
+    assert_eq!(pull(&h, &both).await.unwrap(), oci_plain.id());
+    let st = status(&h, &by_digest).await.unwrap();
+    assert_eq!(
+        st.repo_tags,
+        vec![format!("{}/fmt/zstd:v", reg.addr)],
+        "the earlier tag pull named it; digest pulls add no tag"
+    );
+    // A digest that does not match what the registry serves is refused.
+    let wrong = format!("{}/fmt/zstd@sha256:{}", reg.addr, "0".repeat(64));
+    let err = pull(&h, &wrong).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    assert!(err.message().contains("fmt/zstd"), "{}", err.message());
+    // Unknown image: NOT_FOUND naming it.
+    let err = pull(&h, &format!("{}/no/such:image", reg.addr))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    assert!(err.message().contains("no/such"), "{}", err.message());
+    // Bad reference: INVALID_ARGUMENT.
+    let err = pull(&h, "Not A Reference").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    // All layers share the base snapshot: one base + one per distinct marker layer.
+    assert_eq!(snapshot_dirs(&h).len(), 1 + 4, "{:?}", snapshot_dirs(&h));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_pulls_share_one_download() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let proxy = Proxy::start(&reg.addr, Behaviour::default()).await;
+    // 8 MiB of incompressible data makes the download long enough to overlap.
+    let mut noise = vec![0u8; 8 << 20];
+    let mut x: u64 = 0x9e3779b97f4a7c15;
+    for b in noise.iter_mut() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        *b = x as u8;
+    }
+    let big = Layer::new(&oci::marker_tar("noise", &noise), Compression::Gzip, false);
+    let img = Image::new(
+        vec![Layer::new(base(), Compression::Gzip, false), big.clone()],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("share/img", "1", &img).await;
+    let h = Hako::start("");
+    let name = format!("{}/share/img:1", proxy.addr);
+    let pulls: Vec<_> = (0..4).map(|_| pull(&h, &name)).collect();
+    for r in futures::future::join_all(pulls).await {
+        assert_eq!(r.unwrap(), img.id());
+    }
+    assert_eq!(
+        proxy.count(&format!("/blobs/{}", big.digest)),
+        1,
+        "one download of the big layer for 4 pulls"
+    );
+    assert_eq!(list(&h).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mirrors_are_tried_in_order_then_the_server() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
+    Pusher::new(&reg.addr)
+        .push("e2e-test-images/busybox", "1.29-2", &img)
+        .await;
+    let h = Hako::start("");
+    let dead = support::registry::free_port();
+    // The upstream name is kept; the dead mirror fails, the live one serves.
+    h.hosts_toml(
+        "registry.k8s.io",
+        &format!(
+            "server = \"https://127.0.0.1:{dead}\"\n[host.\"http://127.0.0.1:{dead}\"]\n  capabilities = [\"pull\", \"resolve\"]\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n",
+            reg.addr
+        ),
+    );
+    let name = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
+    assert_eq!(pull(&h, name).await.unwrap(), img.id());
+    assert_eq!(
+        status(&h, name).await.unwrap().repo_tags,
+        vec![name.to_string()]
+    );
+    // A mirror that may not resolve tags is skipped for a tag pull; the dead server then fails
+    // with an error naming the registry.
+    h.hosts_toml(
+        "docker.io",
+        &format!("server = \"http://127.0.0.1:{dead}\"\n[host.\"http://{}\"]\n  capabilities = [\"pull\"]\n", reg.addr),
+    );
+    let err = pull(&h, "docker.io/e2e-test-images/busybox:1.29-2")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("docker.io"), "{}", err.message());
+    // A broken hosts.toml is reported with its path.
+    h.hosts_toml("quay.io", "server = [");
+    let err = pull(&h, "quay.io/a/b:1").await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message().contains("quay.io/hosts.toml"),
+        "{}",
+        err.message()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn registry_basic_auth_with_every_credential_form() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "htpasswd"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let htpasswd = dir.path().join("htpasswd");
+    let st = std::process::Command::new(support::which("htpasswd").unwrap())
+        .args(["-Bbc"])
+        .arg(&htpasswd)
+        .args(["alice", "s3cret"])
+        .output()
+        .unwrap();
+    assert!(st.status.success(), "{st:?}");
+    let reg = Registry::start_with_auth(Some(&htpasswd));
+    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
+    Pusher::new(&reg.addr)
+        .with_basic("alice", "s3cret")
+        .push("private/img", "1", &img)
+        .await;
+    let h = Hako::start("");
+    let name = format!("{}/private/img:1", reg.addr);
+
+    let err = pull(&h, &name).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err:?}");
+    assert!(
+        err.message().contains(&reg.addr),
+        "names the registry: {}",
+        err.message()
+    );
+    let bad = cri::AuthConfig {
+        username: "alice".into(),
+        password: "wrong".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        pull_with(&h, &name, bad).await.unwrap_err().code(),
+        tonic::Code::Unauthenticated
+    );
+
+    let good = cri::AuthConfig {
+        username: "alice".into(),
+        password: "s3cret".into(),
+        ..Default::default()
+    };
+    assert_eq!(pull_with(&h, &name, good).await.unwrap(), img.id());
+    let mut c = h.images().await;
+    c.remove_image(cri::RemoveImageRequest { image: spec(&name) })
+        .await
+        .unwrap();
+    use base64::Engine;
+    let auth = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
+    assert_eq!(
+        pull_with(
+            &h,
+            &name,
+            cri::AuthConfig {
+                auth,
+                ..Default::default()
+            }
+        )
+        .await
+        .unwrap(),
+        img.id()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bearer_challenge_identity_and_registry_tokens() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
+    Pusher::new(&reg.addr).push("tok/img", "1", &img).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            bearer: Some(("bob".into(), "pw".into())),
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = Hako::start("");
+    let name = format!("{}/tok/img:1", proxy.addr);
+    let mut c = h.images().await;
+    let again = || async {
+        let mut c = h.images().await;
+        c.remove_image(cri::RemoveImageRequest { image: spec(&name) })
+            .await
+            .unwrap();
+    };
+
+    let err = pull(&h, &name).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        tonic::Code::Unauthenticated,
+        "anonymous token refused: {err:?}"
+    );
+    // Basic credentials exchanged at the realm for a bearer token.
+    let basic = cri::AuthConfig {
+        username: "bob".into(),
+        password: "pw".into(),
+        ..Default::default()
+    };
+    assert_eq!(pull_with(&h, &name, basic).await.unwrap(), img.id());
+    assert!(
+        proxy.count("GET /token") >= 1,
+        "token fetched from the realm"
+    );
+    again().await;
+    // An identity token (OAuth2 refresh token) is POSTed to the realm.
+    let ident = cri::AuthConfig {
+        identity_token: support::proxy::REFRESH_TOKEN.into(),
+        ..Default::default()
+    };
+    assert_eq!(pull_with(&h, &name, ident).await.unwrap(), img.id());
+    assert!(proxy.count("POST /token") >= 1);
+    again().await;
+    let bad_ident = cri::AuthConfig {
+        identity_token: "nope".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        pull_with(&h, &name, bad_ident).await.unwrap_err().code(),
+        tonic::Code::Unauthenticated
+    );
+    // A registry token is sent as is.
+    let tok = cri::AuthConfig {
+        registry_token: support::proxy::GOOD_TOKEN.into(),
+        ..Default::default()
+    };
+    assert_eq!(pull_with(&h, &name, tok).await.unwrap(), img.id());
+    let _ = c
+        .list_images(cri::ListImagesRequest::default())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stalled_pull_fails_with_deadline_exceeded_and_leaves_nothing() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let top = Layer::new(&oci::marker_tar("stall", b"x"), Compression::Gzip, false);
+    let img = Image::new(
+        vec![Layer::new(base(), Compression::Gzip, false), top.clone()],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("stall/img", "1", &img).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            stall_blobs: vec![top.digest.clone()],
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = Hako::start("[image]\npull_progress_timeout_secs = 2\n");
+    let started = std::time::Instant::now();
+    let err = pull(&h, &format!("{}/stall/img:1", proxy.addr))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+    assert!(
+        err.message().contains(&top.digest) && err.message().contains("no progress"),
+        "{}",
+        err.message()
+    );
+    assert!(started.elapsed() < Duration::from_secs(60));
+    assert!(list(&h).await.is_empty());
+    assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
+    assert!(
+        snapshot_dirs(&h).is_empty(),
+        "base layer collected too: {:?}",
+        snapshot_dirs(&h)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_mid_pull_then_restart_is_clean() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let top = Layer::new(&oci::marker_tar("crash", b"x"), Compression::Gzip, false);
+    let img = Image::new(
+        vec![Layer::new(base(), Compression::Gzip, false), top.clone()],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("crash/img", "1", &img).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            stall_blobs: vec![top.digest.clone()],
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut h = Hako::start("");
+    let name = format!("{}/crash/img:1", proxy.addr);
+    let pulling = {
+        let ch = h.channel().await;
+        let name = name.clone();
+        tokio::spawn(async move {
+            let mut c = k8s_cri::v1::image_service_client::ImageServiceClient::new(ch);
+            c.pull_image(cri::PullImageRequest {
+                image: spec(&name),
+                ..Default::default()
+            })
+            .await
+        })
+    };
+    // Wait until the stalled layer is mid-download and the base layer unpacked.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while proxy.stalled.load(std::sync::atomic::Ordering::SeqCst) == 0
+        || snapshot_dirs(&h).is_empty()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pull never reached the stalled layer"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    h.kill9();
+    assert!(pulling.await.unwrap().is_err());
+    assert!(
+        !ingest_files(&h).is_empty(),
+        "the crash left a partial download behind"
+    );
+    h.restart();
+    assert!(list(&h).await.is_empty(), "no half image listed");
+    assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
+    assert!(
+        snapshot_dirs(&h).is_empty(),
+        "orphan snapshots collected: {:?}",
+        snapshot_dirs(&h)
+    );
+    // The next pull (straight from the registry) works.
+    assert_eq!(
+        pull(&h, &format!("{}/crash/img:1", reg.addr))
+            .await
+            .unwrap(),
+        img.id()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malicious_layer_is_rejected_and_cleaned_up() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    // A tar whose entry climbs out with "..", written below the builder's checks.
+    let mut evil = tar::Builder::new(Vec::new());
+    let mut hdr = tar::Header::new_old();
+    let name = b"../../../../tmp/hako-evil";
+    hdr.as_old_mut().name[..name.len()].copy_from_slice(name);
+    hdr.set_mode(0o644);
+    hdr.set_size(1);
+    hdr.set_cksum();
+    evil.append(&hdr, &b"x"[..]).unwrap();
+    let evil = evil.into_inner().unwrap();
+    let img = Image::new(
+        vec![
+            Layer::new(base(), Compression::Gzip, false),
+            Layer::new(&evil, Compression::Gzip, false),
+        ],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("evil/img", "1", &img).await;
+    let h = Hako::start("");
+    let err = pull(&h, &format!("{}/evil/img:1", reg.addr))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("evil/img") && err.message().contains("hako-evil"),
+        "{}",
+        err.message()
+    );
+    assert!(!std::path::Path::new("/tmp/hako-evil").exists());
+    assert!(list(&h).await.is_empty());
+    assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn images_survive_restart_and_sigterm_exits_zero() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
+    Pusher::new(&reg.addr).push("keep/img", "1", &img).await;
+    let mut h = Hako::start("");
+    let name = format!("{}/keep/img:1", reg.addr);
+    pull(&h, &name).await.unwrap();
+    let status_code = h.stop();
+    assert!(status_code.success(), "SIGTERM exit: {status_code}");
+    assert!(!h.socket.exists(), "socket removed on exit");
+    h.restart();
+    assert_eq!(status(&h, &name).await.unwrap().id, img.id());
+    h.kill9();
+    h.restart();
+    assert_eq!(
+        status(&h, &name).await.unwrap().id,
+        img.id(),
+        "after kill -9 too"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retag_moves_the_name_and_collects_the_old_image() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let p = Pusher::new(&reg.addr);
+    let v1 = busybox_image(
+        Some(("v", b"1")),
+        Compression::Gzip,
+        false,
+        &ImageConf::default(),
+    );
+    let v2 = busybox_image(
+        Some(("v", b"2")),
+        Compression::Gzip,
+        false,
+        &ImageConf::default(),
+    );
+    p.push("re/img", "latest", &v1).await;
+    let h = Hako::start("");
+    let name = format!("{}/re/img:latest", reg.addr);
+    assert_eq!(pull(&h, &name).await.unwrap(), v1.id());
+    p.push("re/img", "latest", &v2).await;
+    assert_eq!(pull(&h, &name).await.unwrap(), v2.id());
+    let imgs = list(&h).await;
+    // v1 keeps its repo digest, so it stays listed without a tag, as in containerd.
+    let old = imgs
+        .iter()
+        .find(|i| i.id == v1.id())
+        .expect("old image kept by digest");
+    assert!(old.repo_tags.is_empty());
+    assert_eq!(
+        imgs.iter().find(|i| i.id == v2.id()).unwrap().repo_tags,
+        vec![name.clone()]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn runtime_rpcs_not_built_say_so_and_status_is_truthful() {
+    if !support::e2e_ready(&[]) {
+        return;
+    }
+    let h = Hako::start("");
+    let mut rt = h.runtime().await;
+    let v = rt
+        .version(cri::VersionRequest {
+            version: "v1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(v.runtime_name, "hako");
+    assert_eq!(v.runtime_api_version, "v1");
+    let err = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unimplemented);
+    assert!(err.message().contains("RunPodSandbox"), "{}", err.message());
+    let st = rt
+        .status(cri::StatusRequest { verbose: true })
+        .await
+        .unwrap()
+        .into_inner();
+    let conds = st.status.unwrap().conditions;
+    let rr = conds.iter().find(|c| c.r#type == "RuntimeReady").unwrap();
+    assert!(
+        !rr.status && !rr.reason.is_empty() && !rr.message.is_empty(),
+        "{rr:?}"
+    );
+    let nr = conds.iter().find(|c| c.r#type == "NetworkReady").unwrap();
+    assert!(!nr.status && !nr.reason.is_empty(), "{nr:?}");
+    assert!(st.info["config"].contains("\"listen\""));
+    let cfg = rt
+        .runtime_config(cri::RuntimeConfigRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        cfg.linux.unwrap().cgroup_driver,
+        cri::CgroupDriver::Cgroupfs as i32
+    );
+}

@@ -1,0 +1,195 @@
+//! Runs the real `hako serve` binary in temp directories and talks CRI to it over its socket.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_cri::v1::image_service_client::ImageServiceClient;
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+pub struct Hako {
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+    pub root: PathBuf,
+    pub certs_d: PathBuf,
+    pub config: PathBuf,
+    pub log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Hako {
+    /// Starts hako with `extra` appended to its config file (TOML).
+    pub fn start(extra: &str) -> Hako {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        let certs_d = dir.path().join("certs.d");
+        std::fs::create_dir_all(&certs_d).unwrap();
+        let socket = dir.path().join("hako.sock");
+        let config = dir.path().join("config.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n{extra}\n[registry]\nconfig_path = \"{}\"\n",
+                socket.display(),
+                root.display(),
+                dir.path().join("state").display(),
+                certs_d.display()
+            ),
+        )
+        .unwrap();
+        let log = dir.path().join("hako.log");
+        let mut h = Hako {
+            dir,
+            socket,
+            root,
+            certs_d,
+            config,
+            log,
+            child: None,
+        };
+        h.spawn();
+        h
+    }
+
+    fn spawn(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+        let log = std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_hako"))
+            .args(["serve", "--config"])
+            .arg(&self.config)
+            .env("HAKO_LOG", "hako=debug,info")
+            .stdout(Stdio::from(log.try_clone().unwrap()))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("start hako");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_err() {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("hako exited with {status}: {}", self.log_text());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "hako did not listen: {}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("unix://{}", self.socket.display())
+    }
+
+    /// Writes `<certs.d>/<host>/hosts.toml`.
+    pub fn hosts_toml(&self, host: &str, text: &str) {
+        let d = self.certs_d.join(host);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("hosts.toml"), text).unwrap();
+    }
+
+    pub async fn channel(&self) -> Channel {
+        let path = self.socket.clone();
+        Endpoint::try_from("http://[::]:50051")
+            .unwrap()
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                        tokio::net::UnixStream::connect(path).await?,
+                    ))
+                }
+            }))
+            .await
+            .expect("connect to hako")
+    }
+
+    pub async fn images(&self) -> ImageServiceClient<Channel> {
+        ImageServiceClient::new(self.channel().await)
+    }
+
+    pub async fn runtime(&self) -> RuntimeServiceClient<Channel> {
+        RuntimeServiceClient::new(self.channel().await)
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.as_ref().expect("running").id() as i32
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for exit.
+    pub fn stop(&mut self) -> ExitStatus {
+        let mut c = self.child.take().expect("running");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(40);
+        loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("hako did not exit after SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop or kill first");
+        self.spawn();
+    }
+
+    /// Files under `dir`, relative.
+    pub fn files_under(dir: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut stack = vec![dir.to_path_buf()];
+        while let Some(p) = stack.pop() {
+            if let Ok(rd) = std::fs::read_dir(&p) {
+                for e in rd.flatten() {
+                    let path = e.path();
+                    out.push(path.strip_prefix(dir).unwrap().display().to_string());
+                    if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                        stack.push(path);
+                    }
+                }
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+impl Drop for Hako {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.stop();
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "--- hako log ({}) ---\n{}",
+                self.log.display(),
+                self.log_text()
+            );
+        }
+    }
+}
