@@ -5,6 +5,7 @@ pub mod hako;
 pub mod oci;
 pub mod proxy;
 pub mod registry;
+pub mod standins;
 
 use std::path::PathBuf;
 
