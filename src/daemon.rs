@@ -154,25 +154,32 @@ pub async fn run(
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT.
-pub async fn signalled() {
+/// Installs the SIGTERM and SIGINT handlers now, so a signal that arrives as soon as readiness
+/// is announced is not lost to the default action; the future resolves on the first of them.
+pub fn signalled() -> Result<impl Future<Output = ()> + Send + 'static> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
-    }
+    let install = |k: SignalKind, name: &str| {
+        signal(k).map_err(|e| Error::Internal(format!("install {name} handler: {e}")))
+    };
+    let mut term = install(SignalKind::terminate(), "SIGTERM")?;
+    let mut int = install(SignalKind::interrupt(), "SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
+    })
 }
 
 /// `hako serve`.
 pub async fn serve(config: Config) -> Result<()> {
     let listen = config.listen.clone();
+    let shutdown = signalled()?;
     let daemon = Arc::new(Daemon::open(config).await?);
     let listener = bind(&listen)?;
     tracing::info!(socket = %listen.display(), version = env!("CARGO_PKG_VERSION"), "hako serving CRI");
     crate::notify::ready();
-    let result = run(listener, daemon.clone(), signalled()).await;
+    let result = run(listener, daemon.clone(), shutdown).await;
     crate::notify::stopping();
     let _ = std::fs::remove_file(&listen);
     drop(daemon);

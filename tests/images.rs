@@ -832,3 +832,55 @@ async fn runtime_rpcs_not_built_say_so_and_status_is_truthful() {
         cri::CgroupDriver::Cgroupfs as i32
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_an_in_flight_pull_finish() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
+    Pusher::new(&reg.addr).push("slow/img", "1", &img).await;
+    let slow = Behaviour {
+        delay_blobs: vec![img.layers[0].digest.clone()],
+        delay: Duration::from_secs(2),
+        ..Default::default()
+    };
+    let proxy = Proxy::start(&reg.addr, slow).await;
+    let mut h = Hako::start("");
+    let ch = h.channel().await;
+    let name = format!("{}/slow/img:1", proxy.addr);
+    let pulling = tokio::spawn(async move {
+        let mut c = k8s_cri::v1::image_service_client::ImageServiceClient::new(ch);
+        c.pull_image(cri::PullImageRequest {
+            image: spec(&name),
+            ..Default::default()
+        })
+        .await
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while proxy.stalled.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pull never reached the layer"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let exit = tokio::task::spawn_blocking(move || {
+        let code = h.stop();
+        (code, h)
+    });
+    let pulled = pulling
+        .await
+        .unwrap()
+        .expect("the in-flight pull completes");
+    assert_eq!(pulled.into_inner().image_ref, img.id());
+    let (code, mut h) = exit.await.unwrap();
+    assert!(code.success(), "{code}");
+    h.restart();
+    assert_eq!(
+        list(&h).await.len(),
+        1,
+        "the finished pull was recorded before exit"
+    );
+}

@@ -19,6 +19,9 @@ pub struct Behaviour {
     pub bearer: Option<(String, String)>,
     /// Blob digests whose download sends a few bytes and then hangs.
     pub stall_blobs: Vec<String>,
+    /// Blob digests whose download starts only after this delay.
+    pub delay_blobs: Vec<String>,
+    pub delay: std::time::Duration,
 }
 
 pub struct Proxy {
@@ -226,6 +229,13 @@ async fn handle(
         let _ = s.write_all(&[0u8; 64]).await;
         tokio::time::sleep(std::time::Duration::from_secs(3600)).await;
         return;
+    }
+    if b.delay_blobs
+        .iter()
+        .any(|d| req.path.contains(&format!("/blobs/{d}")))
+    {
+        stalled.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(b.delay).await;
     }
     // Forward: same request line and headers, minus Authorization (the registry has no auth
     // of its own here) and with Connection: close so one exchange per connection.

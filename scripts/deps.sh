@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs what building, running and testing hako needs on Debian bookworm (run as root).
+# Go (for crictl/critest) and Rust (cargo) are expected on PATH; everything else comes from apt.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+pkgs=(
+  protobuf-compiler pkg-config libseccomp-dev   # build: k8s-cri's protos, libcontainer's seccomp
+  docker-registry busybox procps util-linux      # tests: local registry, image stand-ins (pgrep, ipcs)
+  apache2-utils                                  # tests: htpasswd for the registry auth test
+  containernetworking-plugins                    # CNI plugins in /usr/lib/cni
+  systemd                                        # tests: systemd-analyze verify of the unit
+)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+for tool in cargo go; do
+  command -v "$tool" >/dev/null || { echo "deps.sh: $tool is not on PATH; install it first" >&2; exit 1; }
+done

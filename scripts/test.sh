@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (as root, on a clean clone): installs what it needs,
+# builds crictl and critest from sigs.k8s.io/cri-tools, then runs format and lint checks, the
+# unit tests and the end-to-end tests (real registry, crictl, critest's must-pass list).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "$(id -u)" = 0 ] || { echo "test.sh: run as root (the e2e tests mount, unpack devices, chown)" >&2; exit 1; }
+export PATH="$HOME/.cargo/bin:/usr/local/go/bin:$PATH"
+bash scripts/deps.sh
+bash .ci/build-cri-tools.sh "$PWD/.tools"
+cargo fmt --all -- --check
+cargo clippy --all-targets --locked -- -D warnings
+# Missing e2e prerequisites fail here instead of skipping.
+export HAKO_E2E_REQUIRED=1
+cargo test --locked -- --test-threads=2
