@@ -40,11 +40,20 @@ fn half_compressible(len: usize, seed: u64) -> Vec<u8> {
 fn bench_image() -> Image {
     let base = Layer::new(&oci::busybox_base_tar(), Compression::Gzip, false);
     let mut layers = vec![base];
-    let specs: [(usize, usize); 4] = [(60, 1 << 20), (600, 100 << 10), (12_000, 4 << 10), (8, 8 << 20)];
+    let specs: [(usize, usize); 4] = [
+        (60, 1 << 20),
+        (600, 100 << 10),
+        (12_000, 4 << 10),
+        (8, 8 << 20),
+    ];
     for (li, (count, size)) in specs.iter().enumerate() {
         let mut t = Tar::default();
         for i in 0..*count {
-            t.file(&format!("data/l{li}/d{}/f{i}", i % 64), &half_compressible(*size, (li * 100_000 + i) as u64 + 7), 0o644);
+            t.file(
+                &format!("data/l{li}/d{}/f{i}", i % 64),
+                &half_compressible(*size, (li * 100_000 + i) as u64 + 7),
+                0o644,
+            );
         }
         layers.push(Layer::new(&t.finish(), Compression::Gzip, false));
     }
@@ -61,7 +70,10 @@ struct Runtime {
 
 impl Drop for Runtime {
     fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.child.id() as i32), nix::sys::signal::Signal::SIGTERM);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
         let _ = self.child.wait();
         // containerd leaves overlay mounts of its snapshots only for containers; none here.
     }
@@ -73,7 +85,11 @@ fn wait_socket(p: &Path, child: &mut Child, what: &str) {
         if let Some(s) = child.try_wait().unwrap() {
             panic!("{what} exited: {s}");
         }
-        assert!(Instant::now() < deadline, "{what} did not listen on {}", p.display());
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not listen on {}",
+            p.display()
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -81,7 +97,11 @@ fn wait_socket(p: &Path, child: &mut Child, what: &str) {
 fn certs_d(dir: &Path, registry: &str) -> PathBuf {
     let d = dir.join("certs.d");
     std::fs::create_dir_all(d.join(registry)).unwrap();
-    std::fs::write(d.join(registry).join("hosts.toml"), format!("server = \"http://{registry}\"\n")).unwrap();
+    std::fs::write(
+        d.join(registry).join("hosts.toml"),
+        format!("server = \"http://{registry}\"\n"),
+    )
+    .unwrap();
     d
 }
 
@@ -110,7 +130,13 @@ fn start_hako(registry: &str) -> Runtime {
         .spawn()
         .unwrap();
     wait_socket(&socket, &mut child, "hako");
-    Runtime { name: "hako", socket, child, root, _dir: dir }
+    Runtime {
+        name: "hako",
+        socket,
+        child,
+        root,
+        _dir: dir,
+    }
 }
 
 fn start_containerd(registry: &str) -> Runtime {
@@ -150,7 +176,13 @@ state = "{state}"
         .spawn()
         .unwrap();
     wait_socket(&socket, &mut child, "containerd");
-    Runtime { name: "containerd 1.6", socket, child, root, _dir: dir }
+    Runtime {
+        name: "containerd 1.6",
+        socket,
+        child,
+        root,
+        _dir: dir,
+    }
 }
 
 async fn client(socket: &Path) -> ImageServiceClient<Channel> {
@@ -159,7 +191,11 @@ async fn client(socket: &Path) -> ImageServiceClient<Channel> {
         .unwrap()
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let path = path.clone();
-            async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
         }))
         .await
         .unwrap();
@@ -168,7 +204,12 @@ async fn client(socket: &Path) -> ImageServiceClient<Channel> {
 
 fn du(p: &Path) -> u64 {
     let out = Command::new("du").args(["-sb"]).arg(p).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap_or("0").parse().unwrap_or(0)
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("0")
+        .parse()
+        .unwrap_or(0)
 }
 
 fn stats(v: &mut [f64]) -> (f64, f64, f64) {
@@ -180,7 +221,10 @@ fn main() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "containerd"]) {
         return;
     }
-    let rounds: usize = std::env::var("HAKO_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let rounds: usize = std::env::var("HAKO_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let reg = Registry::start();
@@ -201,25 +245,47 @@ fn main() {
         for round in 0..rounds {
             for (i, r) in runtimes.iter().enumerate() {
                 let mut c = client(&r.socket).await;
-                let _ = c.remove_image(cri::RemoveImageRequest { image: Some(cri::ImageSpec { image: name.clone(), ..Default::default() }) }).await;
+                let _ = c
+                    .remove_image(cri::RemoveImageRequest {
+                        image: Some(cri::ImageSpec {
+                            image: name.clone(),
+                            ..Default::default()
+                        }),
+                    })
+                    .await;
                 // Settle the page cache writeback of the previous round so rounds are alike.
                 nix::unistd::sync();
                 let t = Instant::now();
-                c.pull_image(cri::PullImageRequest { image: Some(cri::ImageSpec { image: name.clone(), ..Default::default() }), ..Default::default() })
-                    .await
-                    .unwrap_or_else(|e| panic!("{} pull: {e}", r.name));
+                c.pull_image(cri::PullImageRequest {
+                    image: Some(cri::ImageSpec {
+                        image: name.clone(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{} pull: {e}", r.name));
                 let secs = t.elapsed().as_secs_f64();
                 times[i].push(secs);
                 disk[i] = du(&r.root);
                 eprintln!("round {round}: {:<15} {:.3} s", r.name, secs);
             }
         }
-        println!("\npull + unpack of {} ({} layers, {:.1} MB compressed), {rounds} cold pulls each:", name, img.layers.len(), compressed as f64 / 1e6);
+        println!(
+            "\npull + unpack of {} ({} layers, {:.1} MB compressed), {rounds} cold pulls each:",
+            name,
+            img.layers.len(),
+            compressed as f64 / 1e6
+        );
         println!("| runtime | min s | median s | max s | root dir after pull |");
         println!("|---|---|---|---|---|");
         for (i, r) in runtimes.iter().enumerate() {
             let (min, med, max) = stats(&mut times[i]);
-            println!("| {} | {min:.3} | {med:.3} | {max:.3} | {:.1} MB |", r.name, disk[i] as f64 / 1e6);
+            println!(
+                "| {} | {min:.3} | {med:.3} | {max:.3} | {:.1} MB |",
+                r.name,
+                disk[i] as f64 / 1e6
+            );
         }
     });
 }

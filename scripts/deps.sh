@@ -6,7 +6,7 @@ export DEBIAN_FRONTEND=noninteractive
 pkgs=(
   protobuf-compiler pkg-config libseccomp-dev   # build: k8s-cri's protos, libcontainer's seccomp
   docker-registry busybox procps util-linux      # tests: local registry, image stand-ins (pgrep, ipcs)
-  apache2-utils                                  # tests: htpasswd for the registry auth test
+  apache2-utils openssl                          # tests: htpasswd and certificates for registry auth/TLS
   containernetworking-plugins                    # CNI plugins in /usr/lib/cni
   systemd                                        # tests: systemd-analyze verify of the unit
 )

@@ -884,3 +884,66 @@ async fn sigterm_lets_an_in_flight_pull_finish() {
         "the finished pull was recorded before exit"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_registry_with_custom_ca_or_skip_verify() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "openssl"]) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = support::registry::make_tls(dir.path());
+    let reg = Registry::start_tls(&cert, &key);
+    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
+    Pusher::new_tls(&reg.addr).push("tls/img", "1", &img).await;
+    let h = Hako::start("");
+    let name = format!("{}/tls/img:1", reg.addr);
+    let server = format!("server = \"https://{}\"\n", reg.addr);
+
+    // Unknown CA: refused, and the error names the registry.
+    h.hosts_toml(&reg.addr, &server);
+    let err = pull(&h, &name).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(err.message().contains(&reg.addr), "{}", err.message());
+
+    // The CA from hosts.toml (relative to its directory, as containerd resolves it).
+    std::fs::copy(&ca, h.certs_d.join(&reg.addr).join("ca.pem")).unwrap();
+    h.hosts_toml(&reg.addr, &format!("{server}ca = \"ca.pem\"\n"));
+    assert_eq!(pull(&h, &name).await.unwrap(), img.id());
+    let mut c = h.images().await;
+    c.remove_image(cri::RemoveImageRequest { image: spec(&name) })
+        .await
+        .unwrap();
+
+    // Or no verification at all, when the operator says so.
+    let h2 = Hako::start("");
+    h2.hosts_toml(&reg.addr, &format!("{server}skip_verify = true\n"));
+    assert_eq!(pull(&h2, &name).await.unwrap(), img.id());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn registry_denial_is_permission_denied_naming_the_registry() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
+    Pusher::new(&reg.addr).push("deny/img", "1", &img).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            deny: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = Hako::start("");
+    let err = pull(&h, &format!("{}/deny/img:1", proxy.addr))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    assert!(
+        err.message().contains(&proxy.addr) && err.message().contains("denied"),
+        "{}",
+        err.message()
+    );
+}

@@ -259,6 +259,20 @@ impl Pusher {
         }
     }
 
+    /// Over HTTPS, trusting any certificate (the test's own registry).
+    pub fn new_tls(addr: &str) -> Pusher {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::builder()
+            .danger_accept_invalid_certs(true)
+            .build()
+            .unwrap();
+        Pusher {
+            base: format!("https://{addr}"),
+            http,
+            auth: None,
+        }
+    }
+
     pub fn with_basic(mut self, user: &str, pass: &str) -> Pusher {
         self.auth = Some((user.into(), pass.into()));
         self

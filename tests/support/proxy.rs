@@ -19,6 +19,8 @@ pub struct Behaviour {
     pub bearer: Option<(String, String)>,
     /// Blob digests whose download sends a few bytes and then hangs.
     pub stall_blobs: Vec<String>,
+    /// Answer every manifest request with 403 DENIED.
+    pub deny: bool,
     /// Blob digests whose download starts only after this delay.
     pub delay_blobs: Vec<String>,
     pub delay: std::time::Duration,
@@ -218,6 +220,16 @@ async fn handle(
             )
             .await;
         }
+    }
+    if b.deny && req.path.contains("/manifests/") {
+        let body = br#"{"errors":[{"code":"DENIED","message":"requested access to the resource is denied"}]}"#;
+        return respond(
+            &mut s,
+            "403 Forbidden",
+            &[("Content-Type", "application/json".into())],
+            body,
+        )
+        .await;
     }
     if b.stall_blobs
         .iter()

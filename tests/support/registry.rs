@@ -29,6 +29,15 @@ impl Registry {
 
     /// With `htpasswd`, the registry demands HTTP basic auth checked against that bcrypt file.
     pub fn start_with_auth(htpasswd: Option<&Path>) -> Registry {
+        Self::start_full(htpasswd, None)
+    }
+
+    /// Serves HTTPS with `tls = (certificate, key)`.
+    pub fn start_tls(cert: &Path, key: &Path) -> Registry {
+        Self::start_full(None, Some((cert, key)))
+    }
+
+    fn start_full(htpasswd: Option<&Path>, tls: Option<(&Path, &Path)>) -> Registry {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
         let addr = format!("127.0.0.1:{port}");
@@ -39,8 +48,16 @@ impl Registry {
             ),
             None => String::new(),
         };
+        let tls = match tls {
+            Some((c, k)) => format!(
+                "  tls:\n    certificate: {}\n    key: {}\n",
+                c.display(),
+                k.display()
+            ),
+            None => String::new(),
+        };
         let config = format!(
-            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{auth}",
+            "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{tls}{auth}",
             dir.path().join("data").display()
         );
         let cfg = dir.path().join("config.yml");
@@ -87,4 +104,75 @@ impl Drop for Registry {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A throw-away CA and a server certificate for 127.0.0.1 signed by it, made with openssl:
+/// returns (ca.pem, server.pem, server.key).
+pub fn make_tls(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("run openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=hako-test-ca",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    (
+        dir.join("ca.pem"),
+        dir.join("server.pem"),
+        dir.join("server.key"),
+    )
 }
