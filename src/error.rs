@@ -8,8 +8,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The named object does not exist.
-    #[error("{0} not found")]
+    /// The named object does not exist; the message names it.
+    #[error("{0}")]
     NotFound(String),
     /// The request itself is malformed (unparsable reference, bad field).
     #[error("{0}")]
@@ -64,7 +64,7 @@ impl Error {
     pub fn context(self, ctx: impl std::fmt::Display) -> Error {
         let msg = format!("{ctx}: {}", chain(&self));
         match self {
-            Error::NotFound(_) => Error::NotFound(msg.trim_end_matches(" not found").to_string()),
+            Error::NotFound(_) => Error::NotFound(msg),
             Error::InvalidArgument(_) => Error::InvalidArgument(msg),
             Error::AlreadyExists(_) => Error::AlreadyExists(msg),
             Error::FailedPrecondition(_) => Error::FailedPrecondition(msg),

@@ -94,6 +94,55 @@ fn ingest_files(h: &Hako) -> Vec<String> {
     Hako::files_under(&h.root.join("ingest"))
 }
 
+/// `repo:1` (busybox plus a one-file top layer) in a fresh registry, behind a proxy that
+/// treats the top layer as `behave` says.
+async fn behind_proxy(
+    repo: &str,
+    behave: impl FnOnce(&Layer) -> Behaviour,
+) -> (Registry, Proxy, Image, Layer) {
+    let reg = Registry::start();
+    let top = Layer::new(&oci::marker_tar(repo, b"x"), Compression::Gzip, false);
+    let img = Image::new(
+        vec![Layer::new(base(), Compression::Gzip, false), top.clone()],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push(repo, "1", &img).await;
+    let proxy = Proxy::start(&reg.addr, behave(&top)).await;
+    (reg, proxy, img, top)
+}
+
+/// A pull running in the background, on its own connection.
+async fn spawn_pull(
+    h: &Hako,
+    name: String,
+) -> tokio::task::JoinHandle<Result<tonic::Response<cri::PullImageResponse>, tonic::Status>> {
+    let ch = h.channel().await;
+    tokio::spawn(async move {
+        let mut c = k8s_cri::v1::image_service_client::ImageServiceClient::new(ch);
+        c.pull_image(cri::PullImageRequest {
+            image: spec(&name),
+            ..Default::default()
+        })
+        .await
+    })
+}
+
+async fn wait_until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn proxy_hits(p: &Proxy) -> usize {
+    p.stalled.load(std::sync::atomic::Ordering::SeqCst)
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn pull_status_list_remove() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
@@ -577,21 +626,10 @@ async fn stalled_pull_fails_with_deadline_exceeded_and_leaves_nothing() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
         return;
     }
-    let reg = Registry::start();
-    let top = Layer::new(&oci::marker_tar("stall", b"x"), Compression::Gzip, false);
-    let img = Image::new(
-        vec![Layer::new(base(), Compression::Gzip, false), top.clone()],
-        &ImageConf::default(),
-        false,
-    );
-    Pusher::new(&reg.addr).push("stall/img", "1", &img).await;
-    let proxy = Proxy::start(
-        &reg.addr,
-        Behaviour {
-            stall_blobs: vec![top.digest.clone()],
-            ..Default::default()
-        },
-    )
+    let (_reg, proxy, _img, top) = behind_proxy("stall/img", |top| Behaviour {
+        stall_blobs: vec![top.digest.clone()],
+        ..Default::default()
+    })
     .await;
     let h = Hako::start("[image]\npull_progress_timeout_secs = 2\n");
     let started = std::time::Instant::now();
@@ -619,47 +657,17 @@ async fn kill_9_mid_pull_then_restart_is_clean() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
         return;
     }
-    let reg = Registry::start();
-    let top = Layer::new(&oci::marker_tar("crash", b"x"), Compression::Gzip, false);
-    let img = Image::new(
-        vec![Layer::new(base(), Compression::Gzip, false), top.clone()],
-        &ImageConf::default(),
-        false,
-    );
-    Pusher::new(&reg.addr).push("crash/img", "1", &img).await;
-    let proxy = Proxy::start(
-        &reg.addr,
-        Behaviour {
-            stall_blobs: vec![top.digest.clone()],
-            ..Default::default()
-        },
-    )
+    let (reg, proxy, img, _top) = behind_proxy("crash/img", |top| Behaviour {
+        stall_blobs: vec![top.digest.clone()],
+        ..Default::default()
+    })
     .await;
     let mut h = Hako::start("");
-    let name = format!("{}/crash/img:1", proxy.addr);
-    let pulling = {
-        let ch = h.channel().await;
-        let name = name.clone();
-        tokio::spawn(async move {
-            let mut c = k8s_cri::v1::image_service_client::ImageServiceClient::new(ch);
-            c.pull_image(cri::PullImageRequest {
-                image: spec(&name),
-                ..Default::default()
-            })
-            .await
-        })
-    };
-    // Wait until the stalled layer is mid-download and the base layer unpacked.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while proxy.stalled.load(std::sync::atomic::Ordering::SeqCst) == 0
-        || snapshot_dirs(&h).is_empty()
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "pull never reached the stalled layer"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let pulling = spawn_pull(&h, format!("{}/crash/img:1", proxy.addr)).await;
+    wait_until("the top layer mid-download and the base unpacked", || {
+        proxy_hits(&proxy) > 0 && !snapshot_dirs(&h).is_empty()
+    })
+    .await;
     h.kill9();
     assert!(pulling.await.unwrap().is_err());
     assert!(
@@ -838,34 +846,18 @@ async fn sigterm_lets_an_in_flight_pull_finish() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
         return;
     }
-    let reg = Registry::start();
-    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
-    Pusher::new(&reg.addr).push("slow/img", "1", &img).await;
-    let slow = Behaviour {
-        delay_blobs: vec![img.layers[0].digest.clone()],
+    let (_reg, proxy, img, _top) = behind_proxy("slow/img", |top| Behaviour {
+        delay_blobs: vec![top.digest.clone()],
         delay: Duration::from_secs(2),
         ..Default::default()
-    };
-    let proxy = Proxy::start(&reg.addr, slow).await;
+    })
+    .await;
     let mut h = Hako::start("");
-    let ch = h.channel().await;
-    let name = format!("{}/slow/img:1", proxy.addr);
-    let pulling = tokio::spawn(async move {
-        let mut c = k8s_cri::v1::image_service_client::ImageServiceClient::new(ch);
-        c.pull_image(cri::PullImageRequest {
-            image: spec(&name),
-            ..Default::default()
-        })
-        .await
-    });
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while proxy.stalled.load(std::sync::atomic::Ordering::SeqCst) == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "pull never reached the layer"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let pulling = spawn_pull(&h, format!("{}/slow/img:1", proxy.addr)).await;
+    wait_until("the pull reaching the slow layer", || {
+        proxy_hits(&proxy) > 0
+    })
+    .await;
     let exit = tokio::task::spawn_blocking(move || {
         let code = h.stop();
         (code, h)

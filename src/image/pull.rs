@@ -171,7 +171,7 @@ fn select_platform(index: &ImageIndex, image: &str) -> Result<(String, i64)> {
     best.map(|m| (m.digest().to_string(), m.size() as i64))
         .ok_or_else(|| {
             Error::NotFound(format!(
-                "manifest for platform linux/{arch} in image {image}"
+                "image {image} has no manifest for platform linux/{arch}"
             ))
         })
 }
@@ -451,7 +451,7 @@ impl Images {
 fn duplicate(e: &Error) -> Error {
     let m = chain(e);
     match e {
-        Error::NotFound(s) => Error::NotFound(s.clone()),
+        Error::NotFound(_) => Error::NotFound(m),
         Error::InvalidArgument(_) => Error::InvalidArgument(m),
         Error::AlreadyExists(_) => Error::AlreadyExists(m),
         Error::FailedPrecondition(_) => Error::FailedPrecondition(m),
