@@ -330,12 +330,20 @@ async fn manifest_formats_compressions_and_platform_indexes() {
             "fmt/multi",
             "v",
             &[
-                (arm_d, arm.manifest().0.len(), "arm64"),
+                (arm_d.clone(), arm.manifest().0.len(), "arm64"),
                 (amd_d.clone(), amd.manifest().0.len(), "amd64"),
             ],
             false,
         )
         .await;
+    // A Docker manifest list with no entry for this node.
+    p.push_index(
+        "fmt/multi",
+        "arm-only",
+        &[(arm_d, arm.manifest().0.len(), "arm64")],
+        true,
+    )
+    .await;
     let h = Hako::start("");
     for (repo, img, content) in [
         ("fmt/docker", &docker_gzip, "docker"),
@@ -353,6 +361,16 @@ async fn manifest_formats_compressions_and_platform_indexes() {
         pull(&h, &multi).await.unwrap(),
         amd.id(),
         "the amd64 manifest of the index"
+    );
+    let err = pull(&h, &format!("{}/fmt/multi:arm-only", reg.addr))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    assert!(
+        err.message()
+            .contains("no manifest for platform linux/amd64"),
+        "{}",
+        err.message()
     );
     let st = status(&h, &multi).await.unwrap();
     assert_eq!(
