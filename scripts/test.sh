@@ -9,7 +9,7 @@ export PATH="$HOME/.cargo/bin:/usr/local/go/bin:$PATH"
 bash scripts/deps.sh
 bash .ci/build-cri-tools.sh "$PWD/.tools"
 cargo fmt --all -- --check
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 # Missing e2e prerequisites fail here instead of skipping.
 export HAKO_E2E_REQUIRED=1
-cargo test --locked -- --test-threads=2
+cargo test --workspace --locked -- --test-threads=2

@@ -6,5 +6,6 @@ pub mod daemon;
 pub mod error;
 pub mod image;
 mod notify;
+pub mod pods;
 pub mod server;
 pub mod store;

@@ -42,6 +42,13 @@ enum Command {
     },
     /// Print the version.
     Version,
+    /// A pod's monitor process (started by `hako serve`, not by hand).
+    #[command(hide = true)]
+    Monitor {
+        /// The monitor options, as JSON.
+        #[arg(long)]
+        options: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -56,6 +63,23 @@ fn main() -> ExitCode {
         Command::Version => {
             println!("hako {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
+        }
+        Command::Monitor { options } => {
+            init_logging(None);
+            let opts: hako_runtime::monitor::Options = match serde_json::from_str(&options) {
+                Ok(o) => o,
+                Err(e) => {
+                    eprintln!("hako monitor: bad options: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            match hako_runtime::monitor::run(opts, hako_runtime::monitor::ready_fd()) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("hako monitor: {e}");
+                    ExitCode::FAILURE
+                }
+            }
         }
         Command::Config {
             command: ConfigCommand::Default,

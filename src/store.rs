@@ -19,6 +19,12 @@ use crate::error::{Error, Result};
 const IMAGES: TableDefinition<&str, &[u8]> = TableDefinition::new("images");
 const NAMES: TableDefinition<&str, &str> = TableDefinition::new("names");
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
+const PODS: TableDefinition<&str, &[u8]> = TableDefinition::new("pods");
+const CONTAINERS: TableDefinition<&str, &[u8]> = TableDefinition::new("containers");
+/// Pod and container names (kubelet's unique keys) → id.
+const RESERVATIONS: TableDefinition<&str, &str> = TableDefinition::new("reservations");
+/// Owner (container id) → JSON list of chain ids it keeps from GC.
+const PINS: TableDefinition<&str, &[u8]> = TableDefinition::new("pins");
 
 pub const RECORD_VERSION: u32 = 1;
 
@@ -81,6 +87,10 @@ impl Store {
         txn.open_table(IMAGES)?;
         txn.open_table(NAMES)?;
         txn.open_table(SNAPSHOTS)?;
+        txn.open_table(PODS)?;
+        txn.open_table(CONTAINERS)?;
+        txn.open_table(RESERVATIONS)?;
+        txn.open_table(PINS)?;
         txn.commit()?;
         Ok(Store { db })
     }
@@ -218,6 +228,123 @@ impl Store {
     }
 }
 
+/// A generic JSON-record table, for the runtime side's pods and containers.
+#[derive(Clone, Copy)]
+pub enum Table {
+    Pods,
+    Containers,
+}
+
+impl Table {
+    fn def(self) -> TableDefinition<'static, &'static str, &'static [u8]> {
+        match self {
+            Table::Pods => PODS,
+            Table::Containers => CONTAINERS,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Table::Pods => "pods",
+            Table::Containers => "containers",
+        }
+    }
+}
+
+impl Store {
+    pub fn get<T: DeserializeOwned>(&self, t: Table, id: &str) -> Result<Option<T>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(t.def())?;
+        match table.get(id)? {
+            Some(v) => Ok(Some(decode(t.name(), id, v.value())?)),
+            None => Ok(None),
+        }
+    }
+
+    pub fn all<T: DeserializeOwned>(&self, t: Table) -> Result<Vec<T>> {
+        let txn = self.db.begin_read()?;
+        let table = txn.open_table(t.def())?;
+        let mut out = Vec::new();
+        for row in table.iter()? {
+            let (k, v) = row?;
+            out.push(decode(t.name(), k.value(), v.value())?);
+        }
+        Ok(out)
+    }
+
+    pub fn put<T: Serialize>(&self, t: Table, id: &str, rec: &T) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(t.def())?
+            .insert(id, encode(rec).as_slice())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn delete(&self, t: Table, id: &str) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(t.def())?.remove(id)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Reserves `name` for `id`; returns the id that already holds it, if another does.
+    pub fn reserve(&self, name: &str, id: &str) -> Result<Option<String>> {
+        let txn = self.db.begin_write()?;
+        let holder = {
+            let mut t = txn.open_table(RESERVATIONS)?;
+            let existing = t.get(name)?.map(|v| v.value().to_string());
+            match existing {
+                Some(other) if other != id => Some(other),
+                _ => {
+                    t.insert(name, id)?;
+                    None
+                }
+            }
+        };
+        txn.commit()?;
+        Ok(holder)
+    }
+
+    pub fn reserved(&self, name: &str) -> Result<Option<String>> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(RESERVATIONS)?;
+        Ok(t.get(name)?.map(|v| v.value().to_string()))
+    }
+
+    pub fn release(&self, name: &str) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(RESERVATIONS)?.remove(name)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Keeps `chain_ids` from GC for as long as `owner` holds them.
+    pub fn pin(&self, owner: &str, chain_ids: &[String]) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(PINS)?
+            .insert(owner, encode(&chain_ids).as_slice())?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn unpin(&self, owner: &str) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(PINS)?.remove(owner)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn pinned(&self) -> Result<Vec<String>> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(PINS)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            let (k, v) = row?;
+            out.extend(decode::<Vec<String>>("pins", k.value(), v.value())?);
+        }
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,5 +433,38 @@ mod tests {
         let s = Store::open(&path).unwrap();
         assert_eq!(s.images().unwrap().len(), 1);
         assert_eq!(s.snapshot("sha256:c").unwrap().unwrap().usage_inodes, 2);
+    }
+}
+
+#[cfg(test)]
+mod runtime_tables {
+    use super::*;
+
+    #[test]
+    fn reservations_pins_and_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("m.db")).unwrap();
+        assert_eq!(s.reserve("pod:a", "1").unwrap(), None);
+        assert_eq!(
+            s.reserve("pod:a", "1").unwrap(),
+            None,
+            "same holder again is fine"
+        );
+        assert_eq!(s.reserve("pod:a", "2").unwrap().as_deref(), Some("1"));
+        s.release("pod:a").unwrap();
+        assert_eq!(s.reserved("pod:a").unwrap(), None);
+        s.pin("c1", &["x".into(), "y".into()]).unwrap();
+        s.pin("c2", &["y".into()]).unwrap();
+        assert_eq!(s.pinned().unwrap().len(), 3);
+        s.unpin("c1").unwrap();
+        assert_eq!(s.pinned().unwrap(), vec!["y".to_string()]);
+        s.put(Table::Pods, "p1", &serde_json::json!({"v": 1}))
+            .unwrap();
+        assert_eq!(s.all::<serde_json::Value>(Table::Pods).unwrap().len(), 1);
+        s.delete(Table::Pods, "p1").unwrap();
+        assert!(s
+            .get::<serde_json::Value>(Table::Pods, "p1")
+            .unwrap()
+            .is_none());
     }
 }

@@ -78,9 +78,12 @@ async fn crictl_image_commands() {
     let info: serde_json::Value = serde_json::from_str(&c.ok(&["info"])).unwrap();
     let conds = info["status"]["conditions"].as_array().unwrap();
     assert!(
-        conds.iter().any(|c| c["type"] == "RuntimeReady"
-            && c["status"] == false
-            && !c["reason"].as_str().unwrap().is_empty()),
+        conds
+            .iter()
+            .any(|c| c["type"] == "RuntimeReady" && c["status"] == true)
+            && conds.iter().any(|c| c["type"] == "NetworkReady"
+                && c["status"] == false
+                && !c["reason"].as_str().unwrap().is_empty()),
         "{info}"
     );
     assert_eq!(info["config"]["listen"], h.socket.display().to_string());

@@ -117,13 +117,20 @@ async fn critest_must_pass_specs_pass() {
         .filter(|(k, v)| v.as_str() == "passed" && !required.contains(k))
         .map(|(k, _)| k.clone())
         .collect();
+    let failing: Vec<_> = results
+        .iter()
+        .filter(|(_, v)| v.as_str() == "failed")
+        .map(|(k, _)| k.clone())
+        .collect();
     let summary = format!(
-        "critest: {} specs: {counts:?}\nmust-pass: {} listed, {} not passing\npassing but not listed ({}):\n  {}\n",
+        "critest: {} specs: {counts:?}\nmust-pass: {} listed, {} not passing\npassing but not listed ({}):\n  {}\nfailing ({}):\n  {}\n",
         results.len(),
         required.len(),
         broken.len(),
         extra.len(),
-        extra.join("\n  ")
+        extra.join("\n  "),
+        failing.len(),
+        failing.join("\n  ")
     );
     eprintln!("{summary}");
     let _ = std::fs::write(

@@ -813,7 +813,7 @@ async fn retag_moves_the_name_and_collects_the_old_image() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn runtime_rpcs_not_built_say_so_and_status_is_truthful() {
+async fn rpcs_not_built_say_so_and_status_is_truthful() {
     if !support::e2e_ready(&[]) {
         return;
     }
@@ -828,12 +828,9 @@ async fn runtime_rpcs_not_built_say_so_and_status_is_truthful() {
         .into_inner();
     assert_eq!(v.runtime_name, "hako");
     assert_eq!(v.runtime_api_version, "v1");
-    let err = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest::default())
-        .await
-        .unwrap_err();
+    let err = rt.exec(cri::ExecRequest::default()).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unimplemented);
-    assert!(err.message().contains("RunPodSandbox"), "{}", err.message());
+    assert!(err.message().contains("Exec"), "{}", err.message());
     let st = rt
         .status(cri::StatusRequest { verbose: true })
         .await
@@ -841,10 +838,7 @@ async fn runtime_rpcs_not_built_say_so_and_status_is_truthful() {
         .into_inner();
     let conds = st.status.unwrap().conditions;
     let rr = conds.iter().find(|c| c.r#type == "RuntimeReady").unwrap();
-    assert!(
-        !rr.status && !rr.reason.is_empty() && !rr.message.is_empty(),
-        "{rr:?}"
-    );
+    assert!(rr.status, "pods run: {rr:?}");
     let nr = conds.iter().find(|c| c.r#type == "NetworkReady").unwrap();
     assert!(!nr.status && !nr.reason.is_empty(), "{nr:?}");
     assert!(st.info["config"].contains("\"listen\""));

@@ -405,6 +405,8 @@ impl Images {
             keep.insert(img.manifest_digest.clone());
             keep.extend(img.chain_ids.iter().cloned());
         }
+        // Layers of images in use by containers stay even when the image is removed.
+        keep.extend(self.inner.store.pinned()?);
         for items in self.inner.leases.lock().expect("leases poisoned").values() {
             keep.extend(items.iter().cloned());
         }

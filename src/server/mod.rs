@@ -1,6 +1,7 @@
 //! The CRI gRPC layer: the only code that names CRI types. Handlers convert requests to hako's
 //! own types, call the domain, and convert back; errors become gRPC statuses in [`status`] only.
 
+mod convert;
 mod image;
 mod runtime;
 

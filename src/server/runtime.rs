@@ -1,6 +1,5 @@
-//! `runtime.v1.RuntimeService`. Pods and containers are not built yet: their RPCs answer
-//! UNIMPLEMENTED naming the RPC, and `Status` says the runtime is not ready and why. Listing
-//! RPCs answer truthfully: there are no pods, containers or stats to list.
+//! `runtime.v1.RuntimeService`. RPCs not built yet (streaming, stats, resource updates,
+//! checkpoints, events) answer UNIMPLEMENTED naming the RPC.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -9,7 +8,7 @@ use k8s_cri::v1 as cri;
 use k8s_cri::v1::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
-use super::{status, unimplemented};
+use super::{convert, status, unimplemented};
 use crate::daemon::Daemon;
 use crate::error::Error;
 
@@ -102,18 +101,54 @@ impl RuntimeService for Runtime {
 
     async fn list_pod_sandbox(
         &self,
-        _: Request<cri::ListPodSandboxRequest>,
+        req: Request<cri::ListPodSandboxRequest>,
     ) -> Result<Response<cri::ListPodSandboxResponse>, Status> {
-        Ok(Response::new(cri::ListPodSandboxResponse { items: vec![] }))
+        let f = req.into_inner().filter.unwrap_or_default();
+        let pods = self
+            .daemon
+            .runtime
+            .pods()
+            .map_err(|e| status("ListPodSandbox", e))?;
+        let items = pods
+            .iter()
+            .filter(|p| f.id.is_empty() || p.id.starts_with(&f.id))
+            .filter(|p| {
+                f.state
+                    .as_ref()
+                    .is_none_or(|s| convert::pod_item(p).state == s.state)
+            })
+            .filter(|p| convert::labels_match(&p.spec.labels, &f.label_selector))
+            .map(convert::pod_item)
+            .collect();
+        Ok(Response::new(cri::ListPodSandboxResponse { items }))
     }
 
     async fn list_containers(
         &self,
-        _: Request<cri::ListContainersRequest>,
+        req: Request<cri::ListContainersRequest>,
     ) -> Result<Response<cri::ListContainersResponse>, Status> {
-        Ok(Response::new(cri::ListContainersResponse {
-            containers: vec![],
-        }))
+        let f = req.into_inner().filter.unwrap_or_default();
+        let all = self
+            .daemon
+            .runtime
+            .containers()
+            .await
+            .map_err(|e| status("ListContainers", e))?;
+        let containers = all
+            .iter()
+            .filter(|c| f.id.is_empty() || c.record.id.starts_with(&f.id))
+            .filter(|c| {
+                f.pod_sandbox_id.is_empty() || c.record.pod_id.starts_with(&f.pod_sandbox_id)
+            })
+            .filter(|c| {
+                f.state
+                    .as_ref()
+                    .is_none_or(|s| convert::container_state_matches(c, s.state))
+            })
+            .filter(|c| convert::labels_match(&c.record.spec.labels, &f.label_selector))
+            .map(convert::container_item)
+            .collect();
+        Ok(Response::new(cri::ListContainersResponse { containers }))
     }
 
     async fn list_container_stats(
@@ -143,6 +178,203 @@ impl RuntimeService for Runtime {
         }))
     }
 
+    async fn run_pod_sandbox(
+        &self,
+        req: Request<cri::RunPodSandboxRequest>,
+    ) -> Result<Response<cri::RunPodSandboxResponse>, Status> {
+        let req = req.into_inner();
+        let config = req.config.ok_or_else(|| {
+            status(
+                "RunPodSandbox",
+                Error::InvalidArgument("pod sandbox config is missing".into()),
+            )
+        })?;
+        let spec = convert::pod_spec(config, req.runtime_handler);
+        tracing::debug!(rpc = "RunPodSandbox", name = %spec.name, namespace = %spec.namespace);
+        let id = self
+            .daemon
+            .runtime
+            .run_pod(spec)
+            .await
+            .map_err(|e| status("RunPodSandbox", e))?;
+        Ok(Response::new(cri::RunPodSandboxResponse {
+            pod_sandbox_id: id,
+        }))
+    }
+
+    async fn stop_pod_sandbox(
+        &self,
+        req: Request<cri::StopPodSandboxRequest>,
+    ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
+        let id = req.into_inner().pod_sandbox_id;
+        tracing::debug!(rpc = "StopPodSandbox", pod = %id);
+        self.daemon
+            .runtime
+            .stop_pod(&id)
+            .await
+            .map_err(|e| status("StopPodSandbox", e))?;
+        Ok(Response::new(cri::StopPodSandboxResponse {}))
+    }
+
+    async fn remove_pod_sandbox(
+        &self,
+        req: Request<cri::RemovePodSandboxRequest>,
+    ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
+        let id = req.into_inner().pod_sandbox_id;
+        tracing::debug!(rpc = "RemovePodSandbox", pod = %id);
+        self.daemon
+            .runtime
+            .remove_pod(&id)
+            .await
+            .map_err(|e| status("RemovePodSandbox", e))?;
+        Ok(Response::new(cri::RemovePodSandboxResponse {}))
+    }
+
+    async fn pod_sandbox_status(
+        &self,
+        req: Request<cri::PodSandboxStatusRequest>,
+    ) -> Result<Response<cri::PodSandboxStatusResponse>, Status> {
+        let req = req.into_inner();
+        tracing::debug!(rpc = "PodSandboxStatus", pod = %req.pod_sandbox_id);
+        let pod = self
+            .daemon
+            .runtime
+            .pod(&req.pod_sandbox_id)
+            .map_err(|e| status("PodSandboxStatus", e))?;
+        let mut resp = cri::PodSandboxStatusResponse {
+            status: Some(convert::pod_status(&pod)),
+            ..Default::default()
+        };
+        if req.verbose {
+            let info = serde_json::json!({"monitorPid": pod.monitor_pid, "namespaces": pod.namespaces, "spec": pod.spec});
+            resp.info.insert("info".into(), info.to_string());
+        }
+        Ok(Response::new(resp))
+    }
+
+    async fn create_container(
+        &self,
+        req: Request<cri::CreateContainerRequest>,
+    ) -> Result<Response<cri::CreateContainerResponse>, Status> {
+        let req = req.into_inner();
+        let config = req.config.ok_or_else(|| {
+            status(
+                "CreateContainer",
+                Error::InvalidArgument("container config is missing".into()),
+            )
+        })?;
+        let spec = convert::container_req(config);
+        tracing::debug!(rpc = "CreateContainer", pod = %req.pod_sandbox_id, name = %spec.name);
+        let id = self
+            .daemon
+            .runtime
+            .create_container(&req.pod_sandbox_id, spec)
+            .await
+            .map_err(|e| status("CreateContainer", e))?;
+        Ok(Response::new(cri::CreateContainerResponse {
+            container_id: id,
+        }))
+    }
+
+    async fn start_container(
+        &self,
+        req: Request<cri::StartContainerRequest>,
+    ) -> Result<Response<cri::StartContainerResponse>, Status> {
+        let id = req.into_inner().container_id;
+        tracing::debug!(rpc = "StartContainer", container = %id);
+        self.daemon
+            .runtime
+            .start_container(&id)
+            .await
+            .map_err(|e| status("StartContainer", e))?;
+        Ok(Response::new(cri::StartContainerResponse {}))
+    }
+
+    async fn stop_container(
+        &self,
+        req: Request<cri::StopContainerRequest>,
+    ) -> Result<Response<cri::StopContainerResponse>, Status> {
+        let req = req.into_inner();
+        tracing::debug!(rpc = "StopContainer", container = %req.container_id, timeout = req.timeout);
+        let timeout = std::time::Duration::from_secs(req.timeout.max(0) as u64);
+        self.daemon
+            .runtime
+            .stop_container(&req.container_id, timeout)
+            .await
+            .map_err(|e| status("StopContainer", e))?;
+        Ok(Response::new(cri::StopContainerResponse {}))
+    }
+
+    async fn remove_container(
+        &self,
+        req: Request<cri::RemoveContainerRequest>,
+    ) -> Result<Response<cri::RemoveContainerResponse>, Status> {
+        let id = req.into_inner().container_id;
+        tracing::debug!(rpc = "RemoveContainer", container = %id);
+        self.daemon
+            .runtime
+            .remove_container(&id)
+            .await
+            .map_err(|e| status("RemoveContainer", e))?;
+        Ok(Response::new(cri::RemoveContainerResponse {}))
+    }
+
+    async fn container_status(
+        &self,
+        req: Request<cri::ContainerStatusRequest>,
+    ) -> Result<Response<cri::ContainerStatusResponse>, Status> {
+        let req = req.into_inner();
+        tracing::debug!(rpc = "ContainerStatus", container = %req.container_id);
+        let v = self
+            .daemon
+            .runtime
+            .container(&req.container_id)
+            .await
+            .map_err(|e| status("ContainerStatus", e))?;
+        let mut resp = cri::ContainerStatusResponse {
+            status: Some(convert::container_status(&v)),
+            ..Default::default()
+        };
+        if req.verbose {
+            resp.info.insert("info".into(), serde_json::json!({"podId": v.record.pod_id, "chainIDs": v.record.chain_ids, "spec": v.record.spec}).to_string());
+        }
+        Ok(Response::new(resp))
+    }
+
+    async fn reopen_container_log(
+        &self,
+        req: Request<cri::ReopenContainerLogRequest>,
+    ) -> Result<Response<cri::ReopenContainerLogResponse>, Status> {
+        let id = req.into_inner().container_id;
+        tracing::debug!(rpc = "ReopenContainerLog", container = %id);
+        self.daemon
+            .runtime
+            .reopen_log(&id)
+            .await
+            .map_err(|e| status("ReopenContainerLog", e))?;
+        Ok(Response::new(cri::ReopenContainerLogResponse {}))
+    }
+
+    async fn exec_sync(
+        &self,
+        req: Request<cri::ExecSyncRequest>,
+    ) -> Result<Response<cri::ExecSyncResponse>, Status> {
+        let req = req.into_inner();
+        tracing::debug!(rpc = "ExecSync", container = %req.container_id, cmd = ?req.cmd);
+        let timeout = std::time::Duration::from_secs(req.timeout.max(0) as u64);
+        let out = self
+            .daemon
+            .runtime
+            .exec_sync(&req.container_id, req.cmd, timeout)
+            .await
+            .map_err(|e| status("ExecSync", e))?;
+        Ok(Response::new(cri::ExecSyncResponse {
+            stdout: out.stdout,
+            stderr: out.stderr,
+            exit_code: out.exit_code,
+        }))
+    }
+
     type GetContainerEventsStream = EventStream;
 
     async fn get_container_events(
@@ -158,88 +390,11 @@ impl RuntimeService for Runtime {
         ))
     }
 
-    async fn run_pod_sandbox(
-        &self,
-        _: Request<cri::RunPodSandboxRequest>,
-    ) -> Result<Response<cri::RunPodSandboxResponse>, Status> {
-        unimplemented("RunPodSandbox")
-    }
-
-    async fn stop_pod_sandbox(
-        &self,
-        _: Request<cri::StopPodSandboxRequest>,
-    ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
-        unimplemented("StopPodSandbox")
-    }
-
-    async fn remove_pod_sandbox(
-        &self,
-        _: Request<cri::RemovePodSandboxRequest>,
-    ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
-        unimplemented("RemovePodSandbox")
-    }
-
-    async fn pod_sandbox_status(
-        &self,
-        _: Request<cri::PodSandboxStatusRequest>,
-    ) -> Result<Response<cri::PodSandboxStatusResponse>, Status> {
-        unimplemented("PodSandboxStatus")
-    }
-
-    async fn create_container(
-        &self,
-        _: Request<cri::CreateContainerRequest>,
-    ) -> Result<Response<cri::CreateContainerResponse>, Status> {
-        unimplemented("CreateContainer")
-    }
-
-    async fn start_container(
-        &self,
-        _: Request<cri::StartContainerRequest>,
-    ) -> Result<Response<cri::StartContainerResponse>, Status> {
-        unimplemented("StartContainer")
-    }
-
-    async fn stop_container(
-        &self,
-        _: Request<cri::StopContainerRequest>,
-    ) -> Result<Response<cri::StopContainerResponse>, Status> {
-        unimplemented("StopContainer")
-    }
-
-    async fn remove_container(
-        &self,
-        _: Request<cri::RemoveContainerRequest>,
-    ) -> Result<Response<cri::RemoveContainerResponse>, Status> {
-        unimplemented("RemoveContainer")
-    }
-
-    async fn container_status(
-        &self,
-        _: Request<cri::ContainerStatusRequest>,
-    ) -> Result<Response<cri::ContainerStatusResponse>, Status> {
-        unimplemented("ContainerStatus")
-    }
-
     async fn update_container_resources(
         &self,
         _: Request<cri::UpdateContainerResourcesRequest>,
     ) -> Result<Response<cri::UpdateContainerResourcesResponse>, Status> {
         unimplemented("UpdateContainerResources")
-    }
-
-    async fn reopen_container_log(
-        &self,
-        _: Request<cri::ReopenContainerLogRequest>,
-    ) -> Result<Response<cri::ReopenContainerLogResponse>, Status> {
-        unimplemented("ReopenContainerLog")
-    }
-
-    async fn exec_sync(
-        &self,
-        _: Request<cri::ExecSyncRequest>,
-    ) -> Result<Response<cri::ExecSyncResponse>, Status> {
-        unimplemented("ExecSync")
     }
 
     async fn exec(

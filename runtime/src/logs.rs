@@ -1,0 +1,207 @@
+//! The CRI log format kubelet reads: one record per line,
+//! `<RFC3339Nano time> <stdout|stderr> <P|F> <content>\n`. A line longer than `MAX_LINE` is
+//! split into partial (`P`) records ending in a full (`F`) one, as containerd does. The file is
+//! reopened on kubelet's `ReopenContainerLog` (after it renamed the old one for rotation).
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// containerd's `max_container_log_line_size` default.
+pub const MAX_LINE: usize = 16 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl Stream {
+    fn name(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        }
+    }
+}
+
+/// RFC 3339 with nanoseconds, UTC (`2026-11-21T21:30:00.123456789Z`).
+pub fn rfc3339_nanos(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + if month <= 2 { 1 } else { 0 };
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_nanos()
+    )
+}
+
+/// Writes both streams of one container to its CRI log file.
+pub struct LogWriter {
+    path: PathBuf,
+    file: Option<File>,
+    pending: [Vec<u8>; 2],
+}
+
+fn open(path: &Path) -> io::Result<File> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    OpenOptions::new().create(true).append(true).open(path)
+}
+
+impl LogWriter {
+    /// `path` empty: output is read and dropped.
+    pub fn open(path: &Path) -> io::Result<LogWriter> {
+        let file = if path.as_os_str().is_empty() {
+            None
+        } else {
+            Some(open(path)?)
+        };
+        Ok(LogWriter {
+            path: path.to_path_buf(),
+            file,
+            pending: [Vec::new(), Vec::new()],
+        })
+    }
+
+    /// Reopens the file at the same path (kubelet rotated the old one away).
+    pub fn reopen(&mut self) -> io::Result<()> {
+        if self.file.is_some() {
+            self.file = Some(open(&self.path)?);
+        }
+        Ok(())
+    }
+
+    fn record(&mut self, stream: Stream, tag: char, content: &[u8]) -> io::Result<()> {
+        let Some(f) = self.file.as_mut() else {
+            return Ok(());
+        };
+        let mut line = Vec::with_capacity(content.len() + 48);
+        line.extend_from_slice(rfc3339_nanos(SystemTime::now()).as_bytes());
+        line.push(b' ');
+        line.extend_from_slice(stream.name().as_bytes());
+        line.push(b' ');
+        line.push(tag as u8);
+        line.push(b' ');
+        line.extend_from_slice(content);
+        line.push(b'\n');
+        // One write per record: a reader never sees half a record.
+        f.write_all(&line)
+    }
+
+    /// Takes output as it comes: complete lines become `F` records, over-long ones are cut
+    /// into `P` records, an unfinished line waits for the rest.
+    pub fn write(&mut self, stream: Stream, data: &[u8]) -> io::Result<()> {
+        let i = stream as usize;
+        let mut buf = std::mem::take(&mut self.pending[i]);
+        buf.extend_from_slice(data);
+        let mut start = 0;
+        while let Some(nl) = buf[start..].iter().position(|&b| b == b'\n') {
+            let mut line = &buf[start..start + nl];
+            while line.len() > MAX_LINE {
+                self.record(stream, 'P', &line[..MAX_LINE])?;
+                line = &line[MAX_LINE..];
+            }
+            self.record(stream, 'F', line)?;
+            start += nl + 1;
+        }
+        let mut rest = &buf[start..];
+        while rest.len() >= MAX_LINE {
+            self.record(stream, 'P', &rest[..MAX_LINE])?;
+            rest = &rest[MAX_LINE..];
+        }
+        self.pending[i] = rest.to_vec();
+        Ok(())
+    }
+
+    /// The stream ended: an unfinished last line is written as a full record.
+    pub fn close_stream(&mut self, stream: Stream) -> io::Result<()> {
+        let rest = std::mem::take(&mut self.pending[stream as usize]);
+        if !rest.is_empty() {
+            self.record(stream, 'F', &rest)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn records(path: &Path) -> Vec<(String, String, String)> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let mut p = l.splitn(4, ' ');
+                let _ts = p.next().unwrap();
+                (
+                    p.next().unwrap().into(),
+                    p.next().unwrap().into(),
+                    p.next().unwrap_or("").into(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn timestamps_are_rfc3339_nanos() {
+        let t = UNIX_EPOCH + std::time::Duration::new(1_700_000_000, 5);
+        assert_eq!(rfc3339_nanos(t), "2023-11-14T22:13:20.000000005Z");
+        assert_eq!(
+            rfc3339_nanos(UNIX_EPOCH + std::time::Duration::from_secs(951_782_400)),
+            "2000-02-29T00:00:00.000000000Z"
+        );
+    }
+
+    #[test]
+    fn lines_partials_and_streams() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("c/0.log");
+        let mut w = LogWriter::open(&p).unwrap();
+        w.write(Stream::Stdout, b"hel").unwrap();
+        w.write(Stream::Stderr, b"oops\n").unwrap();
+        w.write(Stream::Stdout, b"lo\nnext").unwrap();
+        let long = vec![b'x'; MAX_LINE + 10];
+        w.write(Stream::Stdout, b"\n").unwrap();
+        w.write(Stream::Stdout, &long).unwrap();
+        w.write(Stream::Stdout, b"\n").unwrap();
+        w.write(Stream::Stdout, b"tail").unwrap();
+        w.close_stream(Stream::Stdout).unwrap();
+        let r = records(&p);
+        assert_eq!(r[0], ("stderr".into(), "F".into(), "oops".into()));
+        assert_eq!(r[1], ("stdout".into(), "F".into(), "hello".into()));
+        assert_eq!(r[2], ("stdout".into(), "F".into(), "next".into()));
+        assert_eq!((r[3].1.as_str(), r[3].2.len()), ("P", MAX_LINE));
+        assert_eq!((r[4].1.as_str(), r[4].2.len()), ("F", 10));
+        assert_eq!(r[5], ("stdout".into(), "F".into(), "tail".into()));
+    }
+
+    #[test]
+    fn reopen_continues_in_a_new_file() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("0.log");
+        let mut w = LogWriter::open(&p).unwrap();
+        w.write(Stream::Stdout, b"one\n").unwrap();
+        std::fs::rename(&p, d.path().join("0.log.1")).unwrap();
+        w.reopen().unwrap();
+        w.write(Stream::Stdout, b"two\n").unwrap();
+        assert_eq!(records(&d.path().join("0.log.1"))[0].2, "one");
+        assert_eq!(records(&p)[0].2, "two");
+    }
+}

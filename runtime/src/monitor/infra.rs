@@ -1,0 +1,224 @@
+//! The pod's namespaces, with no pause image: the monitor forks an infra process that
+//! unshares the namespaces the pod gets of its own (network, IPC, UTS, and PID when the pod
+//! shares one), sets the hostname, brings up loopback and applies network sysctls. The monitor
+//! then bind-mounts the namespace files under `<pod dir>/ns/` so containers join them by path.
+//! With a pod PID namespace the infra process is its PID 1: it reaps the orphans of the pod.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::Path;
+
+use nix::mount::{mount, MsFlags};
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{fork, ForkResult, Pid};
+use serde::{Deserialize, Serialize};
+
+use super::Options;
+
+/// Which namespaces the pod gets of its own (false: the host's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceSet {
+    pub network: bool,
+    pub ipc: bool,
+    pub uts: bool,
+    pub pid: bool,
+}
+
+/// Sets IFF_UP on `lo` in the current network namespace.
+fn loopback_up() -> Result<(), String> {
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; 16],
+        flags: libc::c_short,
+        _pad: [u8; 22],
+    }
+    // SAFETY: plain socket/ioctl calls on a struct laid out as the kernel's ifreq.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(format!("socket: {}", std::io::Error::last_os_error()));
+        }
+        let mut req = IfReq {
+            name: [0; 16],
+            flags: 0,
+            _pad: [0; 22],
+        };
+        req.name[..2].copy_from_slice(b"lo");
+        let r = if libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req) < 0 {
+            Err(format!("get lo flags: {}", std::io::Error::last_os_error()))
+        } else {
+            req.flags |= libc::IFF_UP as libc::c_short;
+            if libc::ioctl(fd, libc::SIOCSIFFLAGS, &req) < 0 {
+                Err(format!("set lo up: {}", std::io::Error::last_os_error()))
+            } else {
+                Ok(())
+            }
+        };
+        libc::close(fd);
+        r
+    }
+}
+
+fn set_sysctl(key: &str, value: &str) -> Result<(), String> {
+    let path = Path::new("/proc/sys").join(key.replace('.', "/"));
+    std::fs::write(&path, value).map_err(|e| format!("sysctl {key}={value}: {e}"))
+}
+
+/// Runs in the forked child: never returns.
+fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
+    // The daemon's readiness pipe is the monitor's to answer, not ours to hold open.
+    // SAFETY: closing an fd this process does not otherwise use.
+    unsafe { libc::close(super::READY_FD) };
+    let ns = opts.namespaces;
+    let setup = || -> Result<(), String> {
+        let mut flags = CloneFlags::empty();
+        if ns.network {
+            flags |= CloneFlags::CLONE_NEWNET;
+        }
+        if ns.ipc {
+            flags |= CloneFlags::CLONE_NEWIPC;
+        }
+        if ns.uts {
+            flags |= CloneFlags::CLONE_NEWUTS;
+        }
+        unshare(flags).map_err(|e| format!("unshare pod namespaces: {e}"))?;
+        if ns.uts && !opts.hostname.is_empty() {
+            nix::unistd::sethostname(&opts.hostname)
+                .map_err(|e| format!("set hostname {:?}: {e}", opts.hostname))?;
+        }
+        if ns.network {
+            loopback_up()?;
+        }
+        for (k, v) in &opts.sysctls {
+            set_sysctl(k, v)?;
+        }
+        if ns.pid {
+            unshare(CloneFlags::CLONE_NEWPID).map_err(|e| format!("unshare pid namespace: {e}"))?;
+        }
+        Ok(())
+    };
+    if let Err(e) = setup() {
+        let _ = writeln!(report, "E{e}");
+        std::process::exit(1);
+    }
+    if ns.pid {
+        // The first child in the new PID namespace is its init.
+        // SAFETY: the monitor is single-threaded here.
+        match unsafe { fork() } {
+            Ok(ForkResult::Parent { child }) => {
+                let _ = writeln!(report, "P{}", child.as_raw());
+                std::process::exit(0);
+            }
+            Ok(ForkResult::Child) => {}
+            Err(e) => {
+                let _ = writeln!(report, "Efork pod init: {e}");
+                std::process::exit(1);
+            }
+        }
+    } else {
+        let _ = writeln!(report, "P{}", std::process::id());
+    }
+    drop(report);
+    // SAFETY: resetting the signal mask and handlers of a process that only waits.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+    }
+    loop {
+        match waitpid(Pid::from_raw(-1), None) {
+            Ok(_) => {}
+            Err(_) => {
+                // SAFETY: pause only waits for a signal.
+                unsafe { libc::pause() };
+            }
+        }
+    }
+}
+
+/// Starts the infra process and pins its namespaces; returns its pid and the namespace paths
+/// containers join ("network", "ipc", "uts", "pid").
+pub fn spawn(opts: &Options) -> Result<(Pid, HashMap<String, String>), String> {
+    let (r, w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    // SAFETY: called before the monitor starts any thread.
+    let pid = match unsafe { fork() }.map_err(|e| format!("fork infra: {e}"))? {
+        ForkResult::Child => {
+            drop(r);
+            infra_child(opts, std::fs::File::from(w))
+        }
+        ForkResult::Parent { child } => child,
+    };
+    drop(w);
+    let mut msg = String::new();
+    std::fs::File::from(r)
+        .read_to_string(&mut msg)
+        .map_err(|e| format!("read infra report: {e}"))?;
+    let msg = msg.trim();
+    let infra = if let Some(p) = msg.strip_prefix('P') {
+        Pid::from_raw(p.parse().map_err(|_| format!("infra report {msg:?}"))?)
+    } else {
+        let _ = waitpid(pid, None);
+        return Err(msg
+            .strip_prefix('E')
+            .unwrap_or("infra process died")
+            .to_string());
+    };
+    if infra != pid {
+        // The intermediate exits once pid 1 of the pod namespace exists.
+        match waitpid(pid, None) {
+            Ok(WaitStatus::Exited(_, 0)) => {}
+            other => return Err(format!("infra intermediate: {other:?}")),
+        }
+    }
+    pin(opts, infra)
+        .inspect_err(|_| {
+            let _ = nix::sys::signal::kill(infra, nix::sys::signal::Signal::SIGKILL);
+            let _ = waitpid(infra, None);
+            unpin(&opts.dir);
+        })
+        .map(|paths| (infra, paths))
+}
+
+fn pin(opts: &Options, infra: Pid) -> Result<HashMap<String, String>, String> {
+    let ns_dir = opts.dir.join("ns");
+    std::fs::create_dir_all(&ns_dir).map_err(|e| format!("create {}: {e}", ns_dir.display()))?;
+    let mut paths = HashMap::new();
+    let ns = opts.namespaces;
+    for (kind, file, wanted) in [
+        ("network", "net", ns.network),
+        ("ipc", "ipc", ns.ipc),
+        ("uts", "uts", ns.uts),
+        ("pid", "pid", ns.pid),
+    ] {
+        if !wanted {
+            continue;
+        }
+        let target = ns_dir.join(file);
+        std::fs::File::create(&target).map_err(|e| format!("create {}: {e}", target.display()))?;
+        let source = format!("/proc/{}/ns/{file}", infra.as_raw());
+        mount(
+            Some(source.as_str()),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| format!("pin {kind} namespace at {}: {e}", target.display()))?;
+        paths.insert(kind.to_string(), target.to_string_lossy().into_owned());
+    }
+    Ok(paths)
+}
+
+/// Releases pinned namespaces (unmounts the bind mounts).
+pub fn unpin(dir: &Path) {
+    for file in ["net", "ipc", "uts", "pid"] {
+        let p = dir.join("ns").join(file);
+        if p.exists() {
+            if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {
+                tracing::warn!(path = %p.display(), error = %e, "unpin namespace");
+            }
+            let _ = std::fs::remove_file(&p);
+        }
+    }
+}

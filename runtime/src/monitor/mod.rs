@@ -1,0 +1,255 @@
+//! The pod monitor: one process per pod (`hako monitor`, a re-exec of the daemon's binary).
+//!
+//! It pins the pod's namespaces through an infra child, is the child subreaper of every process
+//! of the pod, creates and starts containers through libcontainer, owns their stdio (CRI log
+//! files), records each exit durably (`containers/<id>/exit.json`) before reporting it, and
+//! serves `hako.monitor.v1.Monitor` on `<pod dir>/monitor.sock`.
+//!
+//! It runs a current-thread tokio runtime and never uses the blocking pool, so it is
+//! single-threaded whenever libcontainer forks. libcontainer calls block that one thread for
+//! their few milliseconds; a pod's monitor has nothing else to do meanwhile.
+//!
+//! Container states: `Created` (init waits on libcontainer's notify socket) → `Running` (after
+//! `start`) → `Exited` (reaped here, exit recorded). `Delete` removes an exited or created one.
+
+mod infra;
+mod service;
+
+use std::collections::HashMap;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+
+use crate::logs::LogWriter;
+
+pub use infra::NamespaceSet;
+
+/// How the daemon starts a monitor (as arguments of `hako monitor`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Options {
+    pub pod_id: String,
+    /// `<state>/pods/<pod id>`: socket, pinned namespaces, libcontainer state, exits.
+    pub dir: PathBuf,
+    pub hostname: String,
+    pub namespaces: NamespaceSet,
+    /// Network sysctls set inside the pod's network namespace.
+    pub sysctls: Vec<(String, String)>,
+}
+
+/// The recorded end of a container, written before it is reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Exit {
+    pub code: i32,
+    pub signal: i32,
+    pub finished_at: i64,
+    pub oom_killed: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Created,
+    Running,
+    Exited,
+}
+
+pub(crate) struct Ctr {
+    pub pid: Pid,
+    pub phase: Phase,
+    pub started_at: i64,
+    pub exit: Option<Exit>,
+    pub bundle: PathBuf,
+    pub log: Arc<Mutex<LogWriter>>,
+    pub waiters: Vec<tokio::sync::oneshot::Sender<()>>,
+}
+
+/// Exits of processes that are not container inits (execs), by pid, for whoever waits.
+#[derive(Default)]
+pub(crate) struct Reaped {
+    pub waiting: HashMap<i32, tokio::sync::oneshot::Sender<WaitStatus>>,
+    pub unclaimed: HashMap<i32, WaitStatus>,
+}
+
+pub(crate) struct State {
+    pub opts: Options,
+    pub infra_pid: Pid,
+    pub ns_paths: HashMap<String, String>,
+    pub containers: HashMap<String, Ctr>,
+    pub reaped: Reaped,
+    pub shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+pub(crate) type Shared = Arc<Mutex<State>>;
+
+pub(crate) fn now_nanos() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+impl Options {
+    pub fn youki_root(&self) -> PathBuf {
+        self.dir.join("youki")
+    }
+    pub fn container_dir(&self, id: &str) -> PathBuf {
+        self.dir.join("containers").join(id)
+    }
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("monitor.sock")
+    }
+}
+
+/// Writes `exit.json` atomically (temp file, fsync, rename).
+pub(crate) fn record_exit(dir: &Path, exit: &Exit) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join("exit.json.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec(exit).expect("exit serializes"))?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join("exit.json"))
+}
+
+/// Whether the kernel OOM-killed something in the container's memory cgroup.
+pub(crate) fn oom_killed(bundle: &Path) -> bool {
+    let cgroup = std::fs::read(bundle.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v["linux"]["cgroupsPath"].as_str().map(str::to_string))
+        .unwrap_or_default();
+    let rel = cgroup.trim_start_matches('/');
+    let candidates = [
+        (
+            PathBuf::from("/sys/fs/cgroup/memory")
+                .join(rel)
+                .join("memory.oom_control"),
+            "oom_kill ",
+        ),
+        (
+            PathBuf::from("/sys/fs/cgroup")
+                .join(rel)
+                .join("memory.events"),
+            "oom_kill ",
+        ),
+    ];
+    for (file, key) in candidates {
+        if let Ok(text) = std::fs::read_to_string(&file) {
+            return text
+                .lines()
+                .filter_map(|l| l.strip_prefix(key))
+                .any(|n| n.trim().parse::<u64>().unwrap_or(0) > 0);
+        }
+    }
+    false
+}
+
+/// Reaps every exited child; container exits are recorded, exec exits handed to waiters.
+pub(crate) fn reap(state: &Shared) {
+    loop {
+        let ws = match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(_) => return,
+            Ok(ws) => ws,
+        };
+        let Some(pid) = ws.pid() else { continue };
+        let mut st = state.lock().expect("monitor state poisoned");
+        if pid == st.infra_pid {
+            tracing::error!(pod = %st.opts.pod_id, "the pod's infra process exited; its namespaces stay pinned");
+            continue;
+        }
+        let dirs: Vec<(String, PathBuf)> = st
+            .containers
+            .iter()
+            .filter(|(_, c)| c.pid == pid && c.phase != Phase::Exited)
+            .map(|(id, c)| (id.clone(), c.bundle.clone()))
+            .collect();
+        if let Some((id, bundle)) = dirs.into_iter().next() {
+            let (code, signal) = match ws {
+                WaitStatus::Exited(_, c) => (c, 0),
+                WaitStatus::Signaled(_, s, _) => (128 + s as i32, s as i32),
+                _ => continue,
+            };
+            let exit = Exit {
+                code,
+                signal,
+                finished_at: now_nanos(),
+                oom_killed: signal == 9 && oom_killed(&bundle),
+            };
+            let cdir = st.opts.container_dir(&id);
+            if let Err(e) = record_exit(&cdir, &exit) {
+                tracing::error!(container = %id, error = %e, "cannot record exit");
+            }
+            let c = st.containers.get_mut(&id).expect("listed above");
+            c.phase = Phase::Exited;
+            c.exit = Some(exit);
+            for w in c.waiters.drain(..) {
+                let _ = w.send(());
+            }
+            tracing::info!(container = %id, code, signal, "container exited");
+            continue;
+        }
+        match st.reaped.waiting.remove(&pid.as_raw()) {
+            Some(tx) => {
+                let _ = tx.send(ws);
+            }
+            None => {
+                st.reaped.unclaimed.insert(pid.as_raw(), ws);
+            }
+        }
+    }
+}
+
+/// `hako monitor`: sets up the pod and serves until shut down. `ready` receives `ok` once the
+/// socket is up, or the error that stopped the start-up.
+pub fn run(opts: Options, ready: Option<OwnedFd>) -> Result<(), String> {
+    use std::io::Write;
+    let mut ready = ready.map(std::fs::File::from);
+    let result = start(opts);
+    let (state, shutdown_rx) = match result {
+        Ok(x) => x,
+        Err(e) => {
+            if let Some(r) = ready.as_mut() {
+                let _ = writeln!(r, "error: {e}");
+            }
+            return Err(e);
+        }
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    rt.block_on(service::serve(state, shutdown_rx, ready))
+}
+
+fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>), String> {
+    // Orphans of the pod (double-forked daemons, exec children) come back to us.
+    nix::sys::prctl::set_child_subreaper(true)
+        .map_err(|e| format!("become child subreaper: {e}"))?;
+    std::fs::create_dir_all(opts.dir.join("containers"))
+        .map_err(|e| format!("create {}: {e}", opts.dir.display()))?;
+    let (infra_pid, ns_paths) = infra::spawn(&opts)?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let state = State {
+        opts,
+        infra_pid,
+        ns_paths,
+        containers: HashMap::new(),
+        reaped: Reaped::default(),
+        shutdown: Some(tx),
+    };
+    Ok((Arc::new(Mutex::new(state)), rx))
+}
+
+/// The fd number the daemon passes the readiness pipe on.
+pub const READY_FD: i32 = 3;
+
+/// Takes ownership of the readiness pipe the daemon passed, if there is one.
+pub fn ready_fd() -> Option<OwnedFd> {
+    // SAFETY: fd 3 is ours only when the daemon set it up; fcntl tells whether it is open.
+    let open = unsafe { libc::fcntl(READY_FD, libc::F_GETFD) } != -1;
+    // SAFETY: the fd is open and nothing else in this process owns it.
+    open.then(|| unsafe { OwnedFd::from_raw_fd(READY_FD) })
+}

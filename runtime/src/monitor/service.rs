@@ -1,0 +1,561 @@
+//! The monitor's gRPC service and its serving loop.
+
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hako_proto::monitor as pb;
+use hako_proto::monitor::monitor_server::{Monitor, MonitorServer};
+use libcontainer::container::builder::ContainerBuilder;
+use libcontainer::container::Container;
+use libcontainer::syscall::syscall::SyscallType;
+use nix::sys::signal::Signal;
+use nix::sys::wait::WaitStatus;
+use tokio::io::AsyncReadExt;
+use tonic::{Request, Response, Status};
+
+use super::{infra, now_nanos, reap, Ctr, Phase, Shared};
+use crate::logs::{LogWriter, Stream};
+
+/// Output kept from one ExecSync stream; the rest is read and dropped (kubelet probes want the
+/// start of the output, and a runaway command must not grow the monitor).
+pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
+
+struct Svc {
+    state: Shared,
+}
+
+fn err(what: impl std::fmt::Display, e: impl std::fmt::Display) -> Status {
+    Status::internal(format!("{what}: {e}"))
+}
+
+fn lc_err(what: impl std::fmt::Display, e: libcontainer::error::LibcontainerError) -> Status {
+    // libcontainer's chain says what failed (missing executable, bad mount…): keep all of it.
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(&e);
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    Status::failed_precondition(format!("{what}: {msg}"))
+}
+
+fn proto_state(id: &str, c: &Ctr) -> pb::ContainerState {
+    let exit = c.exit.unwrap_or_default();
+    pb::ContainerState {
+        id: id.to_string(),
+        status: match c.phase {
+            Phase::Created => pb::Status::Created,
+            Phase::Running => pb::Status::Running,
+            Phase::Exited => pb::Status::Exited,
+        } as i32,
+        pid: c.pid.as_raw() as u32,
+        started_at: c.started_at,
+        finished_at: exit.finished_at,
+        exit_code: exit.code,
+        signal: exit.signal,
+        oom_killed: exit.oom_killed,
+    }
+}
+
+fn pipe() -> Result<(OwnedFd, OwnedFd), Status> {
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| err("pipe", e))
+}
+
+/// Copies a pipe into the container's log until the writer side closes.
+fn pump(fd: OwnedFd, log: Arc<Mutex<LogWriter>>, stream: Stream) -> Result<(), Status> {
+    let mut rx =
+        tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(|e| err("log pipe", e))?;
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 32 * 1024];
+        loop {
+            match rx.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if let Err(e) = log.lock().expect("log poisoned").write(stream, &buf[..n]) {
+                        tracing::warn!(error = %e, "write container log");
+                    }
+                }
+            }
+        }
+        let _ = log.lock().expect("log poisoned").close_stream(stream);
+    });
+    Ok(())
+}
+
+/// Reads a pipe into memory, up to the cap.
+fn collect(fd: OwnedFd) -> Result<tokio::task::JoinHandle<Vec<u8>>, Status> {
+    let mut rx =
+        tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(|e| err("exec pipe", e))?;
+    Ok(tokio::spawn(async move {
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 32 * 1024];
+        loop {
+            match rx.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let room = EXEC_OUTPUT_CAP.saturating_sub(out.len());
+                    out.extend_from_slice(&buf[..n.min(room)]);
+                }
+            }
+        }
+        out
+    }))
+}
+
+fn devnull() -> Result<std::fs::File, Status> {
+    std::fs::File::open("/dev/null").map_err(|e| err("open /dev/null", e))
+}
+
+impl Svc {
+    fn youki_root(&self) -> PathBuf {
+        self.state.lock().expect("state").opts.youki_root()
+    }
+
+    fn load(&self, id: &str) -> Result<Container, Status> {
+        Container::load(self.youki_root().join(id))
+            .map_err(|e| lc_err(format!("load container {id}"), e))
+    }
+
+    fn state_of(&self, id: &str) -> Result<pb::ContainerState, Status> {
+        let st = self.state.lock().expect("state");
+        let c = st
+            .containers
+            .get(id)
+            .ok_or_else(|| Status::not_found(format!("container {id} not found in pod monitor")))?;
+        Ok(proto_state(id, c))
+    }
+}
+
+#[tonic::async_trait]
+impl Monitor for Svc {
+    async fn info(
+        &self,
+        _: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::InfoResponse>, Status> {
+        let st = self.state.lock().expect("state");
+        Ok(Response::new(pb::InfoResponse {
+            pid: std::process::id(),
+            pod_id: st.opts.pod_id.clone(),
+            namespaces: st.ns_paths.clone(),
+            containers: st
+                .containers
+                .iter()
+                .map(|(id, c)| proto_state(id, c))
+                .collect(),
+        }))
+    }
+
+    async fn create_container(
+        &self,
+        req: Request<pb::CreateContainerRequest>,
+    ) -> Result<Response<pb::CreateContainerResponse>, Status> {
+        let req = req.into_inner();
+        if req.tty {
+            return Err(Status::unimplemented(
+                "TTY containers are not implemented yet",
+            ));
+        }
+        if self
+            .state
+            .lock()
+            .expect("state")
+            .containers
+            .contains_key(&req.id)
+        {
+            return Err(Status::already_exists(format!(
+                "container {} exists in the pod monitor",
+                req.id
+            )));
+        }
+        let log = Arc::new(Mutex::new(
+            LogWriter::open(std::path::Path::new(&req.log_path))
+                .map_err(|e| err(format!("open log {}", req.log_path), e))?,
+        ));
+        let (out_r, out_w) = pipe()?;
+        let (err_r, err_w) = pipe()?;
+        let bundle = PathBuf::from(&req.bundle);
+        let container = ContainerBuilder::new(req.id.clone(), SyscallType::default())
+            .with_root_path(self.youki_root())
+            .map_err(|e| lc_err("state root", e))?
+            .with_stdin(devnull()?)
+            .with_stdout(out_w)
+            .with_stderr(err_w)
+            .as_init(&bundle)
+            .with_systemd(false)
+            .with_detach(true)
+            .build()
+            .map_err(|e| lc_err(format!("create container {}", req.id), e))?;
+        let pid = container
+            .pid()
+            .ok_or_else(|| Status::internal("created container has no pid"))?;
+        pump(out_r, log.clone(), Stream::Stdout)?;
+        pump(err_r, log.clone(), Stream::Stderr)?;
+        let mut st = self.state.lock().expect("state");
+        st.containers.insert(
+            req.id.clone(),
+            Ctr {
+                pid,
+                phase: Phase::Created,
+                started_at: 0,
+                exit: None,
+                bundle,
+                log,
+                waiters: Vec::new(),
+            },
+        );
+        tracing::info!(container = %req.id, pid = pid.as_raw(), "container created");
+        Ok(Response::new(pb::CreateContainerResponse {
+            pid: pid.as_raw() as u32,
+        }))
+    }
+
+    async fn start_container(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::ContainerState>, Status> {
+        let id = req.into_inner().id;
+        {
+            let st = self.state.lock().expect("state");
+            let c = st.containers.get(&id).ok_or_else(|| {
+                Status::not_found(format!("container {id} not found in pod monitor"))
+            })?;
+            if c.phase != Phase::Created {
+                return Err(Status::failed_precondition(format!(
+                    "container {id} is not in created state"
+                )));
+            }
+        }
+        self.load(&id)?
+            .start()
+            .map_err(|e| lc_err(format!("start container {id}"), e))?;
+        {
+            let mut st = self.state.lock().expect("state");
+            if let Some(c) = st.containers.get_mut(&id) {
+                c.started_at = now_nanos();
+                if c.phase == Phase::Created {
+                    c.phase = Phase::Running;
+                }
+            }
+        }
+        Ok(Response::new(self.state_of(&id)?))
+    }
+
+    async fn signal(&self, req: Request<pb::SignalRequest>) -> Result<Response<pb::Empty>, Status> {
+        let req = req.into_inner();
+        let sig = Signal::try_from(req.signal)
+            .map_err(|_| Status::invalid_argument(format!("signal {}", req.signal)))?;
+        let (pid, phase) = {
+            let st = self.state.lock().expect("state");
+            let c = st.containers.get(&req.id).ok_or_else(|| {
+                Status::not_found(format!("container {} not found in pod monitor", req.id))
+            })?;
+            (c.pid, c.phase)
+        };
+        // An exited container's pid is reaped and may be reused: never signal it.
+        if phase == Phase::Exited {
+            return Ok(Response::new(pb::Empty {}));
+        }
+        if req.all {
+            let mut c = self.load(&req.id)?;
+            c.kill(sig, true)
+                .map_err(|e| lc_err(format!("signal container {}", req.id), e))?;
+        } else {
+            match nix::sys::signal::kill(pid, sig) {
+                Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+                Err(e) => return Err(err(format!("signal container {}", req.id), e)),
+            }
+        }
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn state(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::ContainerState>, Status> {
+        Ok(Response::new(self.state_of(&req.into_inner().id)?))
+    }
+
+    async fn wait(
+        &self,
+        req: Request<pb::WaitRequest>,
+    ) -> Result<Response<pb::ContainerState>, Status> {
+        let req = req.into_inner();
+        let rx = {
+            let mut st = self.state.lock().expect("state");
+            let c = st.containers.get_mut(&req.id).ok_or_else(|| {
+                Status::not_found(format!("container {} not found in pod monitor", req.id))
+            })?;
+            if c.phase == Phase::Exited {
+                None
+            } else {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                c.waiters.push(tx);
+                Some(rx)
+            }
+        };
+        if let Some(rx) = rx {
+            if req.timeout_ms > 0 {
+                let _ =
+                    tokio::time::timeout(Duration::from_millis(req.timeout_ms as u64), rx).await;
+            } else {
+                let _ = rx.await;
+            }
+        }
+        Ok(Response::new(self.state_of(&req.id)?))
+    }
+
+    async fn delete(&self, req: Request<pb::DeleteRequest>) -> Result<Response<pb::Empty>, Status> {
+        let req = req.into_inner();
+        let phase = {
+            let st = self.state.lock().expect("state");
+            match st.containers.get(&req.id) {
+                Some(c) => c.phase,
+                None => return Ok(Response::new(pb::Empty {})),
+            }
+        };
+        if phase == Phase::Running && !req.force {
+            return Err(Status::failed_precondition(format!(
+                "container {} is running",
+                req.id
+            )));
+        }
+        if phase != Phase::Exited {
+            let mut c = self.load(&req.id)?;
+            let _ = c.kill(Signal::SIGKILL, true);
+            // Wait for the reaper to record the exit.
+            let rx = {
+                let mut st = self.state.lock().expect("state");
+                let c = st.containers.get_mut(&req.id).expect("checked");
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                if c.phase == Phase::Exited {
+                    let _ = tx.send(());
+                } else {
+                    c.waiters.push(tx);
+                }
+                rx
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(10), rx).await;
+        }
+        if let Ok(mut c) = Container::load(self.youki_root().join(&req.id)) {
+            c.delete(true)
+                .map_err(|e| lc_err(format!("delete container {}", req.id), e))?;
+        }
+        let mut st = self.state.lock().expect("state");
+        let dir = st.opts.container_dir(&req.id);
+        st.containers.remove(&req.id);
+        let _ = std::fs::remove_dir_all(dir);
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn exec_sync(
+        &self,
+        req: Request<pb::ExecSyncRequest>,
+    ) -> Result<Response<pb::ExecSyncResponse>, Status> {
+        let req = req.into_inner();
+        let (bundle, cdir, phase) = {
+            let st = self.state.lock().expect("state");
+            let c = st.containers.get(&req.id).ok_or_else(|| {
+                Status::not_found(format!("container {} not found in pod monitor", req.id))
+            })?;
+            (c.bundle.clone(), st.opts.container_dir(&req.id), c.phase)
+        };
+        if phase != Phase::Running {
+            return Err(Status::failed_precondition(format!(
+                "container {} is not running",
+                req.id
+            )));
+        }
+        if req.cmd.is_empty() {
+            return Err(Status::invalid_argument("exec command is empty"));
+        }
+        // The container's own process (user, env, cwd, capabilities, no_new_privs) with
+        // another command.
+        let spec: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(bundle.join("config.json")).map_err(|e| err("read config.json", e))?,
+        )
+        .map_err(|e| err("parse config.json", e))?;
+        let mut process = spec["process"].clone();
+        process["args"] = serde_json::json!(req.cmd);
+        process["terminal"] = serde_json::json!(false);
+        std::fs::create_dir_all(&cdir).map_err(|e| err("create container dir", e))?;
+        let pfile = cdir.join(format!("exec-{}.json", now_nanos()));
+        std::fs::write(&pfile, serde_json::to_vec(&process).expect("json"))
+            .map_err(|e| err("write exec process", e))?;
+        let (out_r, out_w) = pipe()?;
+        let (err_r, err_w) = pipe()?;
+        let built = ContainerBuilder::new(req.id.clone(), SyscallType::default())
+            .with_root_path(self.youki_root())
+            .map_err(|e| lc_err("state root", e))?
+            .with_stdin(devnull()?)
+            .with_stdout(out_w)
+            .with_stderr(err_w)
+            .as_tenant()
+            .with_process(Some(&pfile))
+            .with_detach(true)
+            .build();
+        let _ = std::fs::remove_file(&pfile);
+        let pid = built.map_err(|e| lc_err(format!("exec in container {}", req.id), e))?;
+        // Registered before the next await: the reaper cannot run in between.
+        let rx = {
+            let mut st = self.state.lock().expect("state");
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            match st.reaped.unclaimed.remove(&pid.as_raw()) {
+                Some(ws) => {
+                    let _ = tx.send(ws);
+                }
+                None => {
+                    st.reaped.waiting.insert(pid.as_raw(), tx);
+                }
+            }
+            rx
+        };
+        let out = collect(out_r)?;
+        let errs = collect(err_r)?;
+        let waited = if req.timeout_ms > 0 {
+            tokio::time::timeout(Duration::from_millis(req.timeout_ms as u64), rx)
+                .await
+                .ok()
+        } else {
+            Some(rx.await)
+        };
+        let (exit_code, timed_out) = match waited {
+            Some(Ok(WaitStatus::Exited(_, c))) => (c, false),
+            Some(Ok(WaitStatus::Signaled(_, s, _))) => (128 + s as i32, false),
+            Some(_) => (-1, false),
+            None => {
+                let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+                (-1, true)
+            }
+        };
+        // Descendants may hold the pipes open: output is what arrived by shortly after exit.
+        let grab = |h: tokio::task::JoinHandle<Vec<u8>>| async move {
+            match tokio::time::timeout(Duration::from_millis(500), h).await {
+                Ok(Ok(v)) => v,
+                _ => Vec::new(),
+            }
+        };
+        let stdout = grab(out).await;
+        let stderr = grab(errs).await;
+        Ok(Response::new(pb::ExecSyncResponse {
+            stdout,
+            stderr,
+            exit_code,
+            timed_out,
+        }))
+    }
+
+    async fn reopen_log(
+        &self,
+        req: Request<pb::ContainerRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let id = req.into_inner().id;
+        let log = {
+            let st = self.state.lock().expect("state");
+            st.containers
+                .get(&id)
+                .ok_or_else(|| {
+                    Status::not_found(format!("container {id} not found in pod monitor"))
+                })?
+                .log
+                .clone()
+        };
+        log.lock()
+            .expect("log")
+            .reopen()
+            .map_err(|e| err(format!("reopen log of {id}"), e))?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn shutdown(&self, _: Request<pb::Empty>) -> Result<Response<pb::Empty>, Status> {
+        if let Some(tx) = self.state.lock().expect("state").shutdown.take() {
+            let _ = tx.send(());
+        }
+        Ok(Response::new(pb::Empty {}))
+    }
+}
+
+/// Serves until `Shutdown` (or SIGTERM), then kills what is left of the pod and releases it.
+pub(crate) async fn serve(
+    state: Shared,
+    shutdown: tokio::sync::oneshot::Receiver<()>,
+    ready: Option<std::fs::File>,
+) -> Result<(), String> {
+    use std::io::Write;
+    use tokio::signal::unix::{signal, SignalKind};
+    let sock = state.lock().expect("state").opts.socket();
+    let _ = std::fs::remove_file(&sock);
+    let listener = tokio::net::UnixListener::bind(&sock)
+        .map_err(|e| format!("bind {}: {e}", sock.display()))?;
+    let mut sigchld = signal(SignalKind::child()).map_err(|e| format!("SIGCHLD handler: {e}"))?;
+    let mut sigterm =
+        signal(SignalKind::terminate()).map_err(|e| format!("SIGTERM handler: {e}"))?;
+    let reaper_state = state.clone();
+    tokio::spawn(async move {
+        // Exits that happened before the handler existed are reaped on the first pass.
+        loop {
+            reap(&reaper_state);
+            if sigchld.recv().await.is_none() {
+                return;
+            }
+        }
+    });
+    if let Some(mut r) = ready {
+        let _ = writeln!(r, "ok");
+    }
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let stop = async move {
+        tokio::select! {
+            _ = shutdown => {}
+            _ = sigterm.recv() => tracing::info!("SIGTERM: shutting the pod down"),
+        }
+    };
+    tonic::transport::Server::builder()
+        .add_service(MonitorServer::new(Svc {
+            state: state.clone(),
+        }))
+        .serve_with_incoming_shutdown(incoming, stop)
+        .await
+        .map_err(|e| format!("serve: {e}"))?;
+    teardown(&state).await;
+    let _ = std::fs::remove_file(&sock);
+    Ok(())
+}
+
+/// Kills every container and the infra process, and releases the namespaces.
+async fn teardown(state: &Shared) {
+    let (ids, infra_pid, dir, root) = {
+        let st = state.lock().expect("state");
+        (
+            st.containers.keys().cloned().collect::<Vec<_>>(),
+            st.infra_pid,
+            st.opts.dir.clone(),
+            st.opts.youki_root(),
+        )
+    };
+    for id in ids {
+        if let Ok(mut c) = Container::load(root.join(&id)) {
+            let _ = c.kill(Signal::SIGKILL, true);
+            let _ = c.delete(true);
+        }
+    }
+    let _ = nix::sys::signal::kill(infra_pid, Signal::SIGKILL);
+    // Give the reaper a moment so exits get recorded.
+    for _ in 0..50 {
+        reap(state);
+        let all_exited = state
+            .lock()
+            .expect("state")
+            .containers
+            .values()
+            .all(|c| c.phase == Phase::Exited);
+        if all_exited {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _ = nix::sys::wait::waitpid(infra_pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+    infra::unpin(&dir);
+}

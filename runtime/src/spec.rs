@@ -1,0 +1,522 @@
+//! OCI runtime spec generation: a pure function from hako's container description to the
+//! `config.json` libcontainer runs. Defaults follow containerd's CRI plugin (capabilities,
+//! mounts, masked and read-only paths, device rules), so workloads see what they would there.
+
+use std::collections::BTreeMap;
+
+use oci_spec::runtime::Spec;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// containerd's default capability set for unprivileged containers.
+pub const DEFAULT_CAPABILITIES: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+];
+
+/// Every capability the kernel knows, for privileged containers and `ALL`.
+pub const ALL_CAPABILITIES: &[&str] = &[
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_DAC_READ_SEARCH",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_LINUX_IMMUTABLE",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST",
+    "CAP_NET_ADMIN",
+    "CAP_NET_RAW",
+    "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER",
+    "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO",
+    "CAP_SYS_CHROOT",
+    "CAP_SYS_PTRACE",
+    "CAP_SYS_PACCT",
+    "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT",
+    "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE",
+    "CAP_SYS_TIME",
+    "CAP_SYS_TTY_CONFIG",
+    "CAP_MKNOD",
+    "CAP_LEASE",
+    "CAP_AUDIT_WRITE",
+    "CAP_AUDIT_CONTROL",
+    "CAP_SETFCAP",
+    "CAP_MAC_OVERRIDE",
+    "CAP_MAC_ADMIN",
+    "CAP_SYSLOG",
+    "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND",
+    "CAP_AUDIT_READ",
+    "CAP_PERFMON",
+    "CAP_BPF",
+    "CAP_CHECKPOINT_RESTORE",
+];
+
+const MASKED_PATHS: &[&str] = &[
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+const READONLY_PATHS: &[&str] = &[
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];
+
+/// Where a namespace of the container comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Ns {
+    /// A new namespace for this container.
+    New,
+    /// Join the namespace at this path (the pod's pinned one, or another container's).
+    Join(String),
+    /// The host's: no namespace entry at all.
+    Host,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Mount {
+    pub destination: String,
+    pub source: String,
+    pub readonly: bool,
+    /// "private", "rslave" or "rshared".
+    pub propagation: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Resources {
+    pub cpu_shares: Option<u64>,
+    pub cpu_quota: Option<i64>,
+    pub cpu_period: Option<u64>,
+    pub cpuset_cpus: Option<String>,
+    pub cpuset_mems: Option<String>,
+    pub memory_limit: Option<i64>,
+    pub memory_swap: Option<i64>,
+    pub pids_limit: Option<i64>,
+}
+
+/// What a container is, in hako's terms; the CRI layer builds it from the CRI request and the
+/// image config.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ContainerSpec {
+    pub args: Vec<String>,
+    pub env: Vec<String>,
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub additional_gids: Vec<u32>,
+    pub tty: bool,
+    pub hostname: String,
+    /// Relative to the bundle, or absolute.
+    pub rootfs: String,
+    pub readonly_rootfs: bool,
+    pub mounts: Vec<Mount>,
+    pub network: Option<Ns>,
+    pub ipc: Option<Ns>,
+    pub uts: Option<Ns>,
+    pub pid: Option<Ns>,
+    pub privileged: bool,
+    pub add_capabilities: Vec<String>,
+    pub drop_capabilities: Vec<String>,
+    pub no_new_privileges: bool,
+    pub cgroups_path: String,
+    pub resources: Resources,
+    pub oom_score_adj: Option<i32>,
+    pub sysctls: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    /// Extra masked/read-only paths from the CRI security context; `None` keeps the defaults.
+    pub masked_paths: Option<Vec<String>>,
+    pub readonly_paths: Option<Vec<String>>,
+}
+
+fn cap_name(c: &str) -> String {
+    let up = c.to_ascii_uppercase();
+    if up.starts_with("CAP_") {
+        up
+    } else {
+        format!("CAP_{up}")
+    }
+}
+
+/// The effective capability set: defaults (or all, when privileged), then `add`, then `drop`;
+/// `ALL` in either list means every capability.
+pub fn capabilities(s: &ContainerSpec) -> Vec<String> {
+    let mut caps: Vec<String> = if s.privileged {
+        ALL_CAPABILITIES.iter().map(|c| c.to_string()).collect()
+    } else {
+        DEFAULT_CAPABILITIES.iter().map(|c| c.to_string()).collect()
+    };
+    for a in &s.add_capabilities {
+        if a.eq_ignore_ascii_case("ALL") {
+            caps = ALL_CAPABILITIES.iter().map(|c| c.to_string()).collect();
+        } else if !caps.contains(&cap_name(a)) {
+            caps.push(cap_name(a));
+        }
+    }
+    for d in &s.drop_capabilities {
+        if d.eq_ignore_ascii_case("ALL") {
+            caps.clear();
+        } else {
+            caps.retain(|c| c != &cap_name(d));
+        }
+    }
+    caps
+}
+
+fn namespaces(s: &ContainerSpec) -> Vec<Value> {
+    let mut out = vec![json!({"type": "mount"})];
+    for (kind, ns) in [
+        ("network", &s.network),
+        ("ipc", &s.ipc),
+        ("uts", &s.uts),
+        ("pid", &s.pid),
+    ] {
+        match ns.as_ref().unwrap_or(&Ns::New) {
+            Ns::New => out.push(json!({"type": kind})),
+            Ns::Join(path) => out.push(json!({"type": kind, "path": path})),
+            Ns::Host => {}
+        }
+    }
+    // A cgroup namespace hides the host's hierarchy, as containerd does on cgroup v2.
+    out.push(json!({"type": "cgroup"}));
+    out
+}
+
+fn default_mounts(s: &ContainerSpec) -> Vec<Value> {
+    let sys_opts = if s.privileged {
+        json!(["nosuid", "noexec", "nodev"])
+    } else {
+        json!(["nosuid", "noexec", "nodev", "ro"])
+    };
+    let mut m = vec![
+        json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
+        json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": sys_opts}),
+        json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}),
+    ];
+    // /dev/shm comes from the pod when IPC is shared, else a private tmpfs.
+    if !s.mounts.iter().any(|x| x.destination == "/dev/shm") {
+        m.push(json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}));
+    }
+    m
+}
+
+fn user_mounts(s: &ContainerSpec) -> Vec<Value> {
+    s.mounts
+        .iter()
+        .map(|mt| {
+            let mut opts = vec!["rbind".to_string()];
+            opts.push(if mt.propagation.is_empty() { "rprivate".into() } else { mt.propagation.clone() });
+            if mt.readonly {
+                opts.push("ro".into());
+            }
+            json!({"destination": mt.destination, "type": "bind", "source": mt.source, "options": opts})
+        })
+        .collect()
+}
+
+fn resources(s: &ContainerSpec) -> Value {
+    let r = &s.resources;
+    let mut v = json!({});
+    if !s.privileged {
+        v["devices"] = json!([
+            {"allow": false, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 1, "minor": 5, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 1, "minor": 7, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 1, "minor": 8, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 1, "minor": 9, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 5, "minor": 0, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 5, "minor": 2, "access": "rwm"},
+            {"allow": true, "type": "c", "major": 136, "access": "rwm"},
+        ]);
+    }
+    let mut cpu = json!({});
+    if let Some(x) = r.cpu_shares {
+        cpu["shares"] = json!(x);
+    }
+    if let Some(x) = r.cpu_quota {
+        cpu["quota"] = json!(x);
+    }
+    if let Some(x) = r.cpu_period {
+        cpu["period"] = json!(x);
+    }
+    if let Some(x) = &r.cpuset_cpus {
+        cpu["cpus"] = json!(x);
+    }
+    if let Some(x) = &r.cpuset_mems {
+        cpu["mems"] = json!(x);
+    }
+    if cpu.as_object().is_some_and(|o| !o.is_empty()) {
+        v["cpu"] = cpu;
+    }
+    let mut mem = json!({});
+    if let Some(x) = r.memory_limit {
+        mem["limit"] = json!(x);
+    }
+    if let Some(x) = r.memory_swap {
+        mem["swap"] = json!(x);
+    }
+    if mem.as_object().is_some_and(|o| !o.is_empty()) {
+        v["memory"] = mem;
+    }
+    if let Some(x) = r.pids_limit {
+        v["pids"] = json!({"limit": x});
+    }
+    v
+}
+
+/// The OCI spec for `s`, as JSON.
+pub fn generate_json(s: &ContainerSpec) -> Value {
+    let caps = capabilities(s);
+    let mut mounts = default_mounts(s);
+    mounts.extend(user_mounts(s));
+    let mut process = json!({
+        "terminal": s.tty,
+        "user": {"uid": s.uid, "gid": s.gid, "additionalGids": s.additional_gids},
+        "args": s.args,
+        "env": s.env,
+        "cwd": if s.cwd.is_empty() { "/" } else { &s.cwd },
+        "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+        "noNewPrivileges": s.no_new_privileges,
+    });
+    if let Some(adj) = s.oom_score_adj {
+        process["oomScoreAdj"] = json!(adj);
+    }
+    let mut linux = json!({
+        "namespaces": namespaces(s),
+        "cgroupsPath": s.cgroups_path,
+        "resources": resources(s),
+        "sysctl": s.sysctls,
+    });
+    if !s.privileged {
+        linux["maskedPaths"] = json!(s
+            .masked_paths
+            .clone()
+            .unwrap_or_else(|| MASKED_PATHS.iter().map(|p| p.to_string()).collect()));
+        linux["readonlyPaths"] = json!(s
+            .readonly_paths
+            .clone()
+            .unwrap_or_else(|| READONLY_PATHS.iter().map(|p| p.to_string()).collect()));
+    }
+    let mut spec = json!({
+        "ociVersion": "1.0.2",
+        "process": process,
+        "root": {"path": s.rootfs, "readonly": s.readonly_rootfs},
+        "mounts": mounts,
+        "linux": linux,
+        "annotations": s.annotations,
+    });
+    if !matches!(s.uts, Some(Ns::Host)) && !s.hostname.is_empty() {
+        spec["hostname"] = json!(s.hostname);
+    }
+    spec
+}
+
+/// The OCI spec for `s`, typed.
+pub fn generate(s: &ContainerSpec) -> Result<Spec, String> {
+    serde_json::from_value(generate_json(s))
+        .map_err(|e| format!("generated OCI spec is invalid: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> ContainerSpec {
+        ContainerSpec {
+            args: vec!["sh".into()],
+            env: vec!["PATH=/bin".into()],
+            rootfs: "rootfs".into(),
+            cgroups_path: "/hako/c1".into(),
+            hostname: "pod".into(),
+            ..Default::default()
+        }
+    }
+
+    /// Applies `tweak` to a base spec and hands the generated JSON to `check`.
+    fn check(tweak: impl FnOnce(&mut ContainerSpec), check: impl FnOnce(&Value)) {
+        let mut s = base();
+        tweak(&mut s);
+        generate(&s).expect("spec parses as OCI");
+        check(&generate_json(&s));
+    }
+
+    fn caps_of(v: &Value) -> Vec<String> {
+        v["process"]["capabilities"]["bounding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn defaults_match_containerd() {
+        check(
+            |_| {},
+            |v| {
+                assert_eq!(caps_of(v).len(), DEFAULT_CAPABILITIES.len());
+                assert_eq!(v["process"]["cwd"], "/");
+                assert_eq!(v["hostname"], "pod");
+                assert!(v["linux"]["maskedPaths"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|p| p == "/proc/kcore"));
+                assert_eq!(
+                    v["linux"]["resources"]["devices"][0],
+                    json!({"allow": false, "access": "rwm"})
+                );
+                assert!(v["mounts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|m| m["destination"] == "/dev/shm"));
+                assert_eq!(v["linux"]["cgroupsPath"], "/hako/c1");
+            },
+        );
+    }
+
+    #[test]
+    fn capabilities_add_drop_and_all() {
+        check(
+            |s| s.add_capabilities = vec!["SYS_ADMIN".into()],
+            |v| assert!(caps_of(v).contains(&"CAP_SYS_ADMIN".to_string())),
+        );
+        check(
+            |s| s.drop_capabilities = vec!["CHOWN".into()],
+            |v| assert!(!caps_of(v).contains(&"CAP_CHOWN".to_string())),
+        );
+        check(
+            |s| s.drop_capabilities = vec!["ALL".into()],
+            |v| assert!(caps_of(v).is_empty()),
+        );
+        check(
+            |s| {
+                s.add_capabilities = vec!["ALL".into()];
+                s.drop_capabilities = vec!["NET_RAW".into()];
+            },
+            |v| {
+                assert_eq!(caps_of(v).len(), ALL_CAPABILITIES.len() - 1);
+                assert!(!caps_of(v).contains(&"CAP_NET_RAW".to_string()));
+            },
+        );
+    }
+
+    #[test]
+    fn privileged_gets_everything_and_no_masks() {
+        check(
+            |s| s.privileged = true,
+            |v| {
+                assert_eq!(caps_of(v).len(), ALL_CAPABILITIES.len());
+                assert!(v["linux"].get("maskedPaths").is_none());
+                assert!(v["linux"]["resources"].get("devices").is_none());
+                let sys = v["mounts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|m| m["destination"] == "/sys")
+                    .unwrap();
+                assert!(!sys["options"].as_array().unwrap().iter().any(|o| o == "ro"));
+            },
+        );
+    }
+
+    #[test]
+    fn namespaces_join_new_or_host() {
+        check(
+            |s| {
+                s.network = Some(Ns::Join("/run/hako/pods/p/ns/net".into()));
+                s.pid = Some(Ns::Host);
+                s.uts = Some(Ns::Host);
+            },
+            |v| {
+                let ns = v["linux"]["namespaces"].as_array().unwrap();
+                assert!(ns.contains(&json!({"type": "network", "path": "/run/hako/pods/p/ns/net"})));
+                assert!(ns.contains(&json!({"type": "ipc"})));
+                assert!(!ns.iter().any(|n| n["type"] == "pid" || n["type"] == "uts"));
+                assert!(
+                    v.get("hostname").is_none(),
+                    "no hostname in the host's UTS namespace"
+                );
+            },
+        );
+    }
+
+    #[test]
+    fn mounts_resources_and_user() {
+        check(
+            |s| {
+                s.mounts.push(Mount {
+                    destination: "/data".into(),
+                    source: "/srv".into(),
+                    readonly: true,
+                    propagation: "rslave".into(),
+                });
+                s.resources = Resources {
+                    memory_limit: Some(64 << 20),
+                    cpu_quota: Some(50_000),
+                    cpu_period: Some(100_000),
+                    pids_limit: Some(42),
+                    ..Default::default()
+                };
+                s.uid = 1000;
+                s.gid = 1000;
+                s.additional_gids = vec![10, 50000];
+                s.readonly_rootfs = true;
+                s.no_new_privileges = true;
+            },
+            |v| {
+                let m = v["mounts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|m| m["destination"] == "/data")
+                    .unwrap();
+                assert_eq!(m["options"], json!(["rbind", "rslave", "ro"]));
+                assert_eq!(v["linux"]["resources"]["memory"]["limit"], 64 << 20);
+                assert_eq!(v["linux"]["resources"]["cpu"]["quota"], 50_000);
+                assert_eq!(v["linux"]["resources"]["pids"]["limit"], 42);
+                assert_eq!(
+                    v["process"]["user"],
+                    json!({"uid": 1000, "gid": 1000, "additionalGids": [10, 50000]})
+                );
+                assert_eq!(v["root"]["readonly"], true);
+                assert_eq!(v["process"]["noNewPrivileges"], true);
+            },
+        );
+    }
+}

@@ -1,0 +1,990 @@
+//! Pods and containers: the daemon's side of the runtime.
+//!
+//! Each pod has a monitor process (`hako monitor`, see `hako_runtime::monitor`) that holds its
+//! namespaces and every process of it. The daemon keeps the records (store tables `pods`,
+//! `containers`, name `reservations`, layer `pins`), prepares container bundles (overlay rootfs
+//! plus `config.json`) and asks the monitor to create, start, signal, wait for and delete
+//! containers. The daemon never forks container processes.
+//!
+//! Pod states: Ready → NotReady (stopped: monitor shut down, namespaces released) → removed.
+//! Container states: Created → Running → Exited → removed; Unknown when its monitor is gone
+//! without having recorded an exit.
+
+mod monitor_client;
+pub mod rootfs;
+pub mod types;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hako_proto::monitor as pb;
+use hako_runtime::monitor::{NamespaceSet, Options as MonitorOptions};
+use hako_runtime::spec::{self, ContainerSpec, Ns};
+
+use crate::error::{chain, Error, Result};
+use crate::image::Images;
+use crate::store::{Store, Table, RECORD_VERSION};
+use monitor_client::MonitorClient;
+pub use types::*;
+
+pub(crate) fn now_nanos() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+/// A fresh 64-hex-digit id, as containerd's.
+fn new_id() -> String {
+    use std::io::Read;
+    let mut b = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .expect("read /dev/urandom");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Undo steps registered as a create goes; run in reverse unless the create succeeds.
+#[derive(Default)]
+struct Undo(Vec<Box<dyn FnOnce() + Send>>);
+
+impl Undo {
+    fn push(&mut self, f: impl FnOnce() + Send + 'static) {
+        self.0.push(Box::new(f));
+    }
+    fn commit(mut self) {
+        self.0.clear();
+    }
+}
+
+impl Drop for Undo {
+    fn drop(&mut self) {
+        while let Some(f) = self.0.pop() {
+            f();
+        }
+    }
+}
+
+pub struct Runtime {
+    store: Arc<Store>,
+    images: Images,
+    state_dir: PathBuf,
+    root_dir: PathBuf,
+    monitors: std::sync::Mutex<HashMap<String, MonitorClient>>,
+    /// One create per pod or container name at a time: a retry waits for the first attempt.
+    name_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// What the CRI layer shows of a container.
+#[derive(Debug, Clone)]
+pub struct ContainerView {
+    pub record: ContainerRecord,
+    pub state: ContainerState,
+    pub started_at: i64,
+    pub exit: Option<ExitInfo>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ExecOutput {
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+    pub exit_code: i32,
+}
+
+impl Runtime {
+    pub fn new(store: Arc<Store>, images: Images, state_dir: &Path, root_dir: &Path) -> Runtime {
+        Runtime {
+            store,
+            images,
+            state_dir: state_dir.to_path_buf(),
+            root_dir: root_dir.to_path_buf(),
+            monitors: std::sync::Mutex::new(HashMap::new()),
+            name_locks: tokio::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn pod_dir(&self, id: &str) -> PathBuf {
+        self.state_dir.join("pods").join(id)
+    }
+
+    fn bundle_dir(&self, id: &str) -> PathBuf {
+        self.state_dir.join("containers").join(id)
+    }
+
+    fn layer_dir(&self, id: &str) -> PathBuf {
+        self.root_dir.join("containers").join(id)
+    }
+
+    async fn name_lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = self
+            .name_locks
+            .lock()
+            .await
+            .entry(name.to_string())
+            .or_default()
+            .clone();
+        lock.lock_owned().await
+    }
+
+    fn monitor(&self, pod: &PodRecord) -> MonitorClient {
+        let mut m = self.monitors.lock().expect("monitors poisoned");
+        m.entry(pod.id.clone())
+            .or_insert_with(|| MonitorClient::new(self.pod_dir(&pod.id).join("monitor.sock")))
+            .clone()
+    }
+
+    pub fn pod(&self, id: &str) -> Result<PodRecord> {
+        if let Some(p) = self.store.get::<PodRecord>(Table::Pods, id)? {
+            return Ok(p);
+        }
+        // Unique prefixes work too, as with crictl.
+        let matches: Vec<PodRecord> = self
+            .store
+            .all::<PodRecord>(Table::Pods)?
+            .into_iter()
+            .filter(|p| !id.is_empty() && p.id.starts_with(id))
+            .collect();
+        match matches.len() {
+            1 => Ok(matches.into_iter().next().expect("one")),
+            0 => Err(Error::NotFound(format!("pod sandbox {id} not found"))),
+            _ => Err(Error::InvalidArgument(format!(
+                "pod sandbox id prefix {id} is ambiguous"
+            ))),
+        }
+    }
+
+    pub fn pods(&self) -> Result<Vec<PodRecord>> {
+        self.store.all(Table::Pods)
+    }
+
+    pub fn container_record(&self, id: &str) -> Result<ContainerRecord> {
+        if let Some(c) = self.store.get::<ContainerRecord>(Table::Containers, id)? {
+            return Ok(c);
+        }
+        let matches: Vec<ContainerRecord> = self
+            .store
+            .all::<ContainerRecord>(Table::Containers)?
+            .into_iter()
+            .filter(|c| !id.is_empty() && c.id.starts_with(id))
+            .collect();
+        match matches.len() {
+            1 => Ok(matches.into_iter().next().expect("one")),
+            0 => Err(Error::NotFound(format!("container {id} not found"))),
+            _ => Err(Error::InvalidArgument(format!(
+                "container id prefix {id} is ambiguous"
+            ))),
+        }
+    }
+
+    // ---- pods ----
+
+    /// RunPodSandbox. A retry of a pod that was created returns it; a failed attempt leaves
+    /// nothing behind.
+    pub async fn run_pod(&self, spec: PodSpec) -> Result<String> {
+        if spec.name.is_empty() || spec.uid.is_empty() || spec.namespace.is_empty() {
+            return Err(Error::InvalidArgument(
+                "pod sandbox metadata needs name, uid and namespace".into(),
+            ));
+        }
+        if !spec.runtime_handler.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "runtime handler {:?} is not configured",
+                spec.runtime_handler
+            )));
+        }
+        let key = spec.reservation();
+        let _guard = self.name_lock(&key).await;
+        if let Some(existing) = self.store.reserved(&key)? {
+            if let Some(p) = self.store.get::<PodRecord>(Table::Pods, &existing)? {
+                if p.spec == spec && p.state == PodState::Ready {
+                    return Ok(p.id);
+                }
+            }
+            return Err(Error::AlreadyExists(format!(
+                "pod name {key} is reserved by pod sandbox {existing}"
+            )));
+        }
+        let id = new_id();
+        let mut undo = Undo::default();
+        self.store.reserve(&key, &id)?;
+        {
+            let (store, key) = (self.store.clone(), key.clone());
+            undo.push(move || {
+                let _ = store.release(&key);
+            });
+        }
+        let dir = self.pod_dir(&id);
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+        {
+            let dir = dir.clone();
+            undo.push(move || {
+                let _ = std::fs::remove_dir_all(dir);
+            });
+        }
+        write_pod_files(&dir, &spec)?;
+        let ns = NamespaceSet {
+            network: spec.network != NsMode::Node,
+            ipc: spec.ipc != NsMode::Node,
+            uts: spec.network != NsMode::Node,
+            pid: spec.pid == NsMode::Pod,
+        };
+        let net_sysctls = spec
+            .sysctls
+            .iter()
+            .filter(|(k, _)| ns.network && k.starts_with("net."))
+            .map(|(k, v)| (k.clone(), v.clone()));
+        let ipc_sysctls = spec
+            .sysctls
+            .iter()
+            .filter(|(k, _)| {
+                ns.ipc
+                    && (k.starts_with("kernel.shm")
+                        || k.starts_with("kernel.msg")
+                        || k.starts_with("kernel.sem")
+                        || k.starts_with("fs.mqueue."))
+            })
+            .map(|(k, v)| (k.clone(), v.clone()));
+        let opts = MonitorOptions {
+            pod_id: id.clone(),
+            dir: dir.clone(),
+            hostname: spec.hostname.clone(),
+            namespaces: ns,
+            sysctls: net_sysctls.chain(ipc_sysctls).collect(),
+        };
+        let pid = monitor_client::spawn(&opts)
+            .await
+            .map_err(|e| e.context(format!("start pod {}", spec.name)))?;
+        let client = MonitorClient::new(dir.join("monitor.sock"));
+        let recorded = async {
+            let info = client.info().await?;
+            let record = PodRecord {
+                v: RECORD_VERSION,
+                id: id.clone(),
+                spec,
+                state: PodState::Ready,
+                created_at: now_nanos(),
+                monitor_pid: pid,
+                namespaces: info.namespaces.into_iter().collect(),
+            };
+            self.store.put(Table::Pods, &id, &record)?;
+            Ok::<_, Error>(record)
+        }
+        .await;
+        let record = match recorded {
+            Ok(r) => r,
+            Err(e) => {
+                // The monitor holds mounts in the pod dir: it goes before the dir does.
+                client.shutdown().await;
+                return Err(e);
+            }
+        };
+        self.monitors
+            .lock()
+            .expect("monitors poisoned")
+            .insert(id.clone(), client);
+        undo.commit();
+        tracing::info!(pod = %id, name = %record.spec.name, namespace = %record.spec.namespace, "pod sandbox ready");
+        Ok(id)
+    }
+
+    /// StopPodSandbox: kills every container, releases the namespaces. Idempotent; an unknown
+    /// pod is already stopped.
+    pub async fn stop_pod(&self, id: &str) -> Result<()> {
+        let mut pod = match self.pod(id) {
+            Ok(p) => p,
+            Err(Error::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if pod.state == PodState::NotReady {
+            return Ok(());
+        }
+        let containers = self.containers_of(&pod.id)?;
+        let monitor = self.monitor(&pod);
+        let states: HashMap<String, pb::ContainerState> = match monitor.info().await {
+            Ok(info) => info
+                .containers
+                .into_iter()
+                .map(|c| (c.id.clone(), c))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(pod = %pod.id, error = %chain(&e), "monitor unreachable while stopping");
+                HashMap::new()
+            }
+        };
+        for c in &containers {
+            if let Some(s) = states.get(&c.id) {
+                if s.status != pb::Status::Exited as i32 {
+                    let _ = monitor.signal(&c.id, libc::SIGKILL, true).await;
+                    let _ = monitor.wait(&c.id, 10_000).await;
+                }
+            }
+        }
+        // Record final states before the monitor (their source of truth) goes away.
+        if let Ok(info) = monitor.info().await {
+            for s in info.containers {
+                if let Ok(mut rec) = self.container_record(&s.id) {
+                    apply_state(&mut rec, &s);
+                    self.store.put(Table::Containers, &rec.id, &rec)?;
+                }
+            }
+        }
+        for mut c in self.containers_of(&pod.id)? {
+            if c.state != ContainerState::Exited {
+                c.state = ContainerState::Exited;
+                c.exit.get_or_insert(ExitInfo {
+                    code: 137,
+                    signal: 9,
+                    finished_at: now_nanos(),
+                    oom_killed: false,
+                });
+                self.store.put(Table::Containers, &c.id, &c)?;
+            }
+            let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
+        }
+        monitor.shutdown().await;
+        self.monitors
+            .lock()
+            .expect("monitors poisoned")
+            .remove(&pod.id);
+        pod.state = PodState::NotReady;
+        self.store.put(Table::Pods, &pod.id, &pod)?;
+        tracing::info!(pod = %pod.id, "pod sandbox stopped");
+        Ok(())
+    }
+
+    /// RemovePodSandbox: stops it if needed, removes its containers and files. Idempotent.
+    pub async fn remove_pod(&self, id: &str) -> Result<()> {
+        let pod = match self.pod(id) {
+            Ok(p) => p,
+            Err(Error::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        self.stop_pod(&pod.id).await?;
+        for c in self.containers_of(&pod.id)? {
+            self.remove_container(&c.id).await?;
+        }
+        let dir = self.pod_dir(&pod.id);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                return Err(Error::io("remove", &dir, e));
+            }
+        }
+        self.store.delete(Table::Pods, &pod.id)?;
+        self.store.release(&pod.spec.reservation())?;
+        tracing::info!(pod = %pod.id, "pod sandbox removed");
+        Ok(())
+    }
+
+    fn containers_of(&self, pod_id: &str) -> Result<Vec<ContainerRecord>> {
+        Ok(self
+            .store
+            .all::<ContainerRecord>(Table::Containers)?
+            .into_iter()
+            .filter(|c| c.pod_id == pod_id)
+            .collect())
+    }
+
+    // ---- containers ----
+
+    /// CreateContainer: prepares the rootfs and config, has the pod's monitor create it.
+    pub async fn create_container(&self, pod_id: &str, req: ContainerSpecReq) -> Result<String> {
+        let pod = self.pod(pod_id)?;
+        if pod.state != PodState::Ready {
+            return Err(Error::FailedPrecondition(format!(
+                "pod sandbox {} is not ready",
+                pod.id
+            )));
+        }
+        if req.name.is_empty() {
+            return Err(Error::InvalidArgument(
+                "container metadata needs a name".into(),
+            ));
+        }
+        let key = req.reservation(&pod.id);
+        let _guard = self.name_lock(&key).await;
+        if let Some(existing) = self.store.reserved(&key)? {
+            if let Some(c) = self
+                .store
+                .get::<ContainerRecord>(Table::Containers, &existing)?
+            {
+                if c.spec == req {
+                    return Ok(c.id);
+                }
+            }
+            return Err(Error::AlreadyExists(format!(
+                "container name {key} is reserved by container {existing}"
+            )));
+        }
+        let image = self.images.find(&req.image)?.ok_or_else(|| {
+            Error::NotFound(format!("image {:?} not found: pull it first", req.image))
+        })?;
+        let config: serde_json::Value =
+            serde_json::from_slice(&self.images.read_content(&image.id)?)
+                .map_err(|e| Error::Internal(format!("image {} config: {e}", image.id)))?;
+        let id = new_id();
+        let mut undo = Undo::default();
+        self.store.reserve(&key, &id)?;
+        {
+            let (store, key) = (self.store.clone(), key.clone());
+            undo.push(move || {
+                let _ = store.release(&key);
+            });
+        }
+        self.store.pin(&id, &image.chain_ids)?;
+        {
+            let (store, id) = (self.store.clone(), id.clone());
+            undo.push(move || {
+                let _ = store.unpin(&id);
+            });
+        }
+        let bundle = self.bundle_dir(&id);
+        let layer = self.layer_dir(&id);
+        {
+            let (b, l) = (bundle.clone(), layer.clone());
+            undo.push(move || {
+                let _ = rootfs::unmount(&b.join("rootfs"));
+                let _ = std::fs::remove_dir_all(&b);
+                let _ = std::fs::remove_dir_all(&l);
+            });
+        }
+        let lowers: Vec<PathBuf> = image
+            .chain_ids
+            .iter()
+            .rev()
+            .map(|c| self.images.snapshot_fs(c))
+            .collect();
+        let root = bundle.join("rootfs");
+        rootfs::mount_overlay(&lowers, &layer.join("upper"), &layer.join("work"), &root)?;
+        let spec = self.container_spec(&pod, &id, &req, &config, &root)?;
+        let oci = spec::generate(&spec).map_err(Error::Internal)?;
+        let cfg = bundle.join("config.json");
+        oci.save(&cfg)
+            .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;
+        let log_path = if req.log_path.is_empty() || pod.spec.log_directory.is_empty() {
+            String::new()
+        } else {
+            Path::new(&pod.spec.log_directory)
+                .join(&req.log_path)
+                .display()
+                .to_string()
+        };
+        let monitor = self.monitor(&pod);
+        monitor
+            .create(&id, &bundle, &log_path, req.tty, req.stdin, req.stdin_once)
+            .await
+            .map_err(|e| e.context(format!("create container {} in pod {}", req.name, pod.id)))?;
+        let record = ContainerRecord {
+            v: RECORD_VERSION,
+            id: id.clone(),
+            pod_id: pod.id.clone(),
+            image_id: image.id.clone(),
+            image_ref: image
+                .repo_digests
+                .first()
+                .cloned()
+                .unwrap_or_else(|| image.id.clone()),
+            spec: req,
+            created_at: now_nanos(),
+            log_path,
+            state: ContainerState::Created,
+            started_at: 0,
+            exit: None,
+            chain_ids: image.chain_ids.clone(),
+        };
+        if let Err(e) = self.store.put(Table::Containers, &id, &record) {
+            let _ = monitor.delete(&id, true).await;
+            return Err(e);
+        }
+        undo.commit();
+        tracing::info!(container = %id, pod = %pod.id, name = %record.spec.name, "container created");
+        Ok(id)
+    }
+
+    /// The OCI-level description of a container, from the CRI request and the image config.
+    fn container_spec(
+        &self,
+        pod: &PodRecord,
+        id: &str,
+        req: &ContainerSpecReq,
+        image: &serde_json::Value,
+        root: &Path,
+    ) -> Result<ContainerSpec> {
+        let ic = &image["config"];
+        let strings = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|x| x.as_str().map(str::to_string))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let (entrypoint, cmd) = (strings(&ic["Entrypoint"]), strings(&ic["Cmd"]));
+        // Kubernetes: command replaces the entrypoint (and drops the image's cmd); args replace cmd.
+        let args: Vec<String> = if !req.command.is_empty() {
+            req.command.iter().chain(&req.args).cloned().collect()
+        } else if !req.args.is_empty() {
+            entrypoint.iter().chain(&req.args).cloned().collect()
+        } else {
+            entrypoint.iter().chain(&cmd).cloned().collect()
+        };
+        if args.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: no command given and the image has none",
+                req.name
+            )));
+        }
+        let mut env: Vec<String> = strings(&ic["Env"]);
+        for (k, v) in &req.envs {
+            env.retain(|e| e.split('=').next() != Some(k.as_str()));
+            env.push(format!("{k}={v}"));
+        }
+        if !env.iter().any(|e| e.starts_with("PATH=")) {
+            env.insert(
+                0,
+                "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+            );
+        }
+        if !pod.spec.hostname.is_empty() && !env.iter().any(|e| e.starts_with("HOSTNAME=")) {
+            env.push(format!("HOSTNAME={}", pod.spec.hostname));
+        }
+        let cwd = if req.working_dir.is_empty() {
+            ic["WorkingDir"].as_str().unwrap_or("").to_string()
+        } else {
+            req.working_dir.clone()
+        };
+        // The user: the request's uid or name, else the image's USER.
+        let sec = &req.security;
+        let image_user = ic["User"].as_str().unwrap_or("");
+        let (user, group) = match (&sec.run_as_user, sec.run_as_username.as_str()) {
+            (Some(uid), _) => (uid.to_string(), None),
+            (None, name) if !name.is_empty() => (name.to_string(), None),
+            _ => {
+                let mut parts = image_user.splitn(2, ':');
+                (
+                    parts.next().unwrap_or("").to_string(),
+                    parts.next().map(str::to_string),
+                )
+            }
+        };
+        let group = sec.run_as_group.map(|g| g.to_string()).or(group);
+        let (uid, gid, mut extra) = if user.is_empty() {
+            rootfs::resolve_user(root, "0", group.as_deref())?
+        } else {
+            rootfs::resolve_user(root, &user, group.as_deref())?
+        };
+        for g in &sec.supplemental_groups {
+            if !extra.contains(&(*g as u32)) {
+                extra.push(*g as u32);
+            }
+        }
+        let mut mounts = Vec::new();
+        for m in &req.mounts {
+            if !Path::new(&m.host_path).exists() {
+                // A missing host path becomes a directory, as containerd and CRI-O do.
+                std::fs::create_dir_all(&m.host_path)
+                    .map_err(|e| Error::io("create mount source", &m.host_path, e))?;
+            }
+            mounts.push(spec::Mount {
+                destination: m.container_path.clone(),
+                source: m.host_path.clone(),
+                readonly: m.readonly,
+                propagation: match m.propagation {
+                    Propagation::Private => "rprivate",
+                    Propagation::HostToContainer => "rslave",
+                    Propagation::Bidirectional => "rshared",
+                }
+                .into(),
+            });
+        }
+        let pod_dir = self.pod_dir(&pod.id);
+        for (dest, file) in [
+            ("/etc/resolv.conf", "resolv.conf"),
+            ("/etc/hostname", "hostname"),
+            ("/etc/hosts", "hosts"),
+        ] {
+            if !mounts.iter().any(|m| m.destination == dest) && pod_dir.join(file).exists() {
+                mounts.push(spec::Mount {
+                    destination: dest.into(),
+                    source: pod_dir.join(file).display().to_string(),
+                    readonly: sec.readonly_rootfs,
+                    propagation: "rprivate".into(),
+                });
+            }
+        }
+        let join = |kind: &str| {
+            pod.namespaces
+                .get(kind)
+                .map(|p| Ns::Join(p.clone()))
+                .unwrap_or(Ns::Host)
+        };
+        let pid = match sec.pid {
+            NsMode::Pod => join("pid"),
+            NsMode::Container => Ns::New,
+            NsMode::Node => Ns::Host,
+            NsMode::Target => {
+                return Err(Error::Unimplemented(format!(
+                    "PID namespace mode TARGET (container {})",
+                    sec.pid_target
+                )))
+            }
+        };
+        let cgroup_parent = if pod.spec.cgroup_parent.is_empty() {
+            format!("/hako/{}", pod.id)
+        } else {
+            cgroupfs_path(&pod.spec.cgroup_parent)
+        };
+        let annotations: BTreeMap<String, String> = req.annotations.clone();
+        Ok(ContainerSpec {
+            args,
+            env,
+            cwd,
+            uid,
+            gid,
+            additional_gids: extra,
+            tty: req.tty,
+            hostname: pod.spec.hostname.clone(),
+            rootfs: root.display().to_string(),
+            readonly_rootfs: sec.readonly_rootfs,
+            mounts,
+            network: Some(join("network")),
+            ipc: Some(join("ipc")),
+            uts: Some(join("uts")),
+            pid: Some(pid),
+            privileged: sec.privileged,
+            add_capabilities: sec.add_capabilities.clone(),
+            drop_capabilities: sec.drop_capabilities.clone(),
+            no_new_privileges: sec.no_new_privs,
+            cgroups_path: format!("{cgroup_parent}/hako-{id}"),
+            resources: req.resources.clone(),
+            oom_score_adj: None,
+            sysctls: BTreeMap::new(),
+            annotations,
+            masked_paths: sec.masked_paths.clone(),
+            readonly_paths: sec.readonly_paths.clone(),
+        })
+    }
+
+    fn pod_of(&self, c: &ContainerRecord) -> Result<PodRecord> {
+        self.pod(&c.pod_id)
+            .map_err(|e| e.context(format!("container {}", c.id)))
+    }
+
+    pub async fn start_container(&self, id: &str) -> Result<()> {
+        let mut c = self.container_record(id)?;
+        let pod = self.pod_of(&c)?;
+        if c.state != ContainerState::Created {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is {:?}, not created",
+                c.id, c.state
+            )));
+        }
+        let s = self
+            .monitor(&pod)
+            .start(&c.id)
+            .await
+            .map_err(|e| e.context(format!("start container {}", c.id)))?;
+        apply_state(&mut c, &s);
+        self.store.put(Table::Containers, &c.id, &c)?;
+        Ok(())
+    }
+
+    /// StopContainer: SIGTERM (the image's STOPSIGNAL is not read yet), then SIGKILL after
+    /// `timeout`. Stopping an exited or unknown container succeeds.
+    pub async fn stop_container(&self, id: &str, timeout: Duration) -> Result<()> {
+        let mut c = match self.container_record(id) {
+            Ok(c) => c,
+            Err(Error::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let Ok(pod) = self.pod_of(&c) else {
+            return Ok(());
+        };
+        if pod.state != PodState::Ready {
+            return Ok(());
+        }
+        let m = self.monitor(&pod);
+        let s = m.state(&c.id).await?;
+        if s.status == pb::Status::Exited as i32 {
+            apply_state(&mut c, &s);
+            return self.store.put(Table::Containers, &c.id, &c);
+        }
+        if s.status == pb::Status::Running as i32 && !timeout.is_zero() {
+            m.signal(&c.id, libc::SIGTERM, false).await?;
+            let s = m.wait(&c.id, timeout.as_millis() as i64).await?;
+            if s.status == pb::Status::Exited as i32 {
+                apply_state(&mut c, &s);
+                return self.store.put(Table::Containers, &c.id, &c);
+            }
+        }
+        m.signal(&c.id, libc::SIGKILL, true).await?;
+        let s = m.wait(&c.id, 30_000).await?;
+        apply_state(&mut c, &s);
+        self.store.put(Table::Containers, &c.id, &c)
+    }
+
+    /// RemoveContainer: force-removes a running one. Removing an unknown container succeeds.
+    pub async fn remove_container(&self, id: &str) -> Result<()> {
+        let c = match self.container_record(id) {
+            Ok(c) => c,
+            Err(Error::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if let Ok(pod) = self.pod_of(&c) {
+            if pod.state == PodState::Ready {
+                self.monitor(&pod).delete(&c.id, true).await?;
+            }
+        }
+        let bundle = self.bundle_dir(&c.id);
+        rootfs::unmount(&bundle.join("rootfs"))?;
+        for d in [bundle, self.layer_dir(&c.id)] {
+            if let Err(e) = std::fs::remove_dir_all(&d) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    return Err(Error::io("remove", &d, e));
+                }
+            }
+        }
+        self.store.delete(Table::Containers, &c.id)?;
+        self.store.release(&c.spec.reservation(&c.pod_id))?;
+        self.store.unpin(&c.id)?;
+        tracing::info!(container = %c.id, "container removed");
+        Ok(())
+    }
+
+    /// Current view of a container: live from its monitor while the pod runs.
+    pub async fn container(&self, id: &str) -> Result<ContainerView> {
+        let mut c = self.container_record(id)?;
+        if let Ok(pod) = self.pod_of(&c) {
+            if pod.state == PodState::Ready {
+                match self.monitor(&pod).state(&c.id).await {
+                    Ok(s) => {
+                        if apply_state(&mut c, &s) {
+                            self.store.put(Table::Containers, &c.id, &c)?;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(container = %c.id, error = %chain(&e), "monitor unreachable")
+                    }
+                }
+            }
+        }
+        Ok(ContainerView {
+            state: c.state,
+            started_at: c.started_at,
+            exit: c.exit.clone(),
+            record: c,
+        })
+    }
+
+    /// Every container, states refreshed with one call per running pod.
+    pub async fn containers(&self) -> Result<Vec<ContainerView>> {
+        let mut recs: Vec<ContainerRecord> = self.store.all(Table::Containers)?;
+        let mut live: HashMap<String, pb::ContainerState> = HashMap::new();
+        for pod in self
+            .pods()?
+            .into_iter()
+            .filter(|p| p.state == PodState::Ready)
+        {
+            if let Ok(info) = self.monitor(&pod).info().await {
+                live.extend(info.containers.into_iter().map(|s| (s.id.clone(), s)));
+            }
+        }
+        for c in recs.iter_mut() {
+            if let Some(s) = live.get(&c.id) {
+                if apply_state(c, s) {
+                    self.store.put(Table::Containers, &c.id, c)?;
+                }
+            }
+        }
+        Ok(recs
+            .into_iter()
+            .map(|c| ContainerView {
+                state: c.state,
+                started_at: c.started_at,
+                exit: c.exit.clone(),
+                record: c,
+            })
+            .collect())
+    }
+
+    pub async fn exec_sync(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+        timeout: Duration,
+    ) -> Result<ExecOutput> {
+        let c = self.container_record(id)?;
+        let pod = self.pod_of(&c)?;
+        if pod.state != PodState::Ready {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not running",
+                c.id
+            )));
+        }
+        let r = self
+            .monitor(&pod)
+            .exec_sync(&c.id, cmd, timeout.as_millis() as i64)
+            .await?;
+        if r.timed_out {
+            return Err(Error::DeadlineExceeded(format!(
+                "command in container {} timed out after {} s",
+                c.id,
+                timeout.as_secs()
+            )));
+        }
+        Ok(ExecOutput {
+            stdout: r.stdout,
+            stderr: r.stderr,
+            exit_code: r.exit_code,
+        })
+    }
+
+    pub async fn reopen_log(&self, id: &str) -> Result<()> {
+        let c = self.container_record(id)?;
+        let pod = self.pod_of(&c)?;
+        let v = self.container(id).await?;
+        if v.state != ContainerState::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not running",
+                c.id
+            )));
+        }
+        self.monitor(&pod).reopen_log(&c.id).await
+    }
+}
+
+/// Folds a monitor state into a record; true when something changed.
+fn apply_state(c: &mut ContainerRecord, s: &pb::ContainerState) -> bool {
+    let before = (c.state, c.started_at, c.exit.clone());
+    c.state = match pb::Status::try_from(s.status).unwrap_or(pb::Status::Unknown) {
+        pb::Status::Created => ContainerState::Created,
+        pb::Status::Running => ContainerState::Running,
+        pb::Status::Exited => ContainerState::Exited,
+        pb::Status::Unknown => ContainerState::Unknown,
+    };
+    if s.started_at != 0 {
+        c.started_at = s.started_at;
+    }
+    if c.state == ContainerState::Exited {
+        c.exit = Some(ExitInfo {
+            code: s.exit_code,
+            signal: s.signal,
+            finished_at: s.finished_at,
+            oom_killed: s.oom_killed,
+        });
+    }
+    before != (c.state, c.started_at, c.exit.clone())
+}
+
+/// A kubelet cgroup parent in systemd form (`kubepods-burstable-pod1.slice`) as a cgroupfs
+/// path (`/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice`).
+pub fn cgroupfs_path(parent: &str) -> String {
+    if !parent.ends_with(".slice") || parent.contains('/') {
+        return if parent.starts_with('/') {
+            parent.to_string()
+        } else {
+            format!("/{parent}")
+        };
+    }
+    let name = parent.trim_end_matches(".slice");
+    let mut path = String::new();
+    let mut prefix = String::new();
+    for part in name.split('-') {
+        if !prefix.is_empty() {
+            prefix.push('-');
+        }
+        prefix.push_str(part);
+        path.push('/');
+        path.push_str(&prefix);
+        path.push_str(".slice");
+    }
+    path
+}
+
+/// resolv.conf, hostname and hosts for the pod's containers.
+fn write_pod_files(dir: &Path, spec: &PodSpec) -> Result<()> {
+    let resolv = match &spec.dns {
+        Some(d) if !d.servers.is_empty() || !d.searches.is_empty() || !d.options.is_empty() => {
+            let mut s = String::new();
+            if !d.searches.is_empty() {
+                s.push_str(&format!("search {}\n", d.searches.join(" ")));
+            }
+            for n in &d.servers {
+                s.push_str(&format!("nameserver {n}\n"));
+            }
+            if !d.options.is_empty() {
+                s.push_str(&format!("options {}\n", d.options.join(" ")));
+            }
+            s
+        }
+        _ => std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+    };
+    let hostname = if spec.hostname.is_empty() {
+        nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    } else {
+        spec.hostname.clone()
+    };
+    let hosts = if spec.network == NsMode::Node {
+        std::fs::read_to_string("/etc/hosts").unwrap_or_default()
+    } else {
+        format!("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{hostname}\n")
+    };
+    for (file, content) in [
+        ("resolv.conf", resolv),
+        ("hostname", format!("{hostname}\n")),
+        ("hosts", hosts),
+    ] {
+        let p = dir.join(file);
+        std::fs::write(&p, content).map_err(|e| Error::io("write", &p, e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn systemd_slices_become_cgroupfs_paths() {
+        assert_eq!(
+            cgroupfs_path("kubepods-burstable-pod12.slice"),
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod12.slice"
+        );
+        assert_eq!(
+            cgroupfs_path("/kubepods/besteffort/pod1"),
+            "/kubepods/besteffort/pod1"
+        );
+        assert_eq!(cgroupfs_path("kubepods"), "/kubepods");
+    }
+
+    #[test]
+    fn pod_files_carry_dns_and_hostname() {
+        let d = tempfile::tempdir().unwrap();
+        let spec = PodSpec {
+            hostname: "web-0".into(),
+            dns: Some(Dns {
+                servers: vec!["10.10.10.10".into()],
+                searches: vec!["google.com".into()],
+                options: vec!["ndots:8".into()],
+            }),
+            ..Default::default()
+        };
+        write_pod_files(d.path(), &spec).unwrap();
+        let r = std::fs::read_to_string(d.path().join("resolv.conf")).unwrap();
+        assert_eq!(
+            r,
+            "search google.com\nnameserver 10.10.10.10\noptions ndots:8\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.path().join("hostname")).unwrap(),
+            "web-0\n"
+        );
+        assert!(std::fs::read_to_string(d.path().join("hosts"))
+            .unwrap()
+            .contains("web-0"));
+    }
+}

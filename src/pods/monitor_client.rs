@@ -1,0 +1,287 @@
+//! Starting pod monitors and talking to them.
+
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hako_proto::monitor as pb;
+use hako_proto::monitor::monitor_client::MonitorClient as Grpc;
+use hako_runtime::monitor::{Options, READY_FD};
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::error::{Error, Result};
+
+/// Starts `hako monitor` for a pod, detached in its own session, and waits for it to report
+/// ready (or the error that stopped it). Returns its pid.
+pub async fn spawn(opts: &Options) -> Result<u32> {
+    let exe =
+        std::env::current_exe().map_err(|e| Error::Internal(format!("own executable: {e}")))?;
+    let json = serde_json::to_string(opts).expect("options serialize");
+    let log_path = opts.dir.join("monitor.log");
+    let log = std::fs::File::create(&log_path).map_err(|e| Error::io("create", &log_path, e))?;
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| Error::Internal(format!("pipe: {e}")))?;
+    let wfd = w.as_raw_fd();
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg("monitor")
+        .arg("--options")
+        .arg(json)
+        .stdin(std::process::Stdio::null())
+        .stdout(
+            log.try_clone()
+                .map_err(|e| Error::io("dup", &log_path, e))?,
+        )
+        .stderr(log)
+        .kill_on_drop(false);
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setsid() < 0 || libc::dup2(wfd, READY_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd
+        .spawn()
+        .map_err(|e| Error::Internal(format!("start pod monitor: {e}")))?;
+    drop(w);
+    let pid = child.id().unwrap_or(0);
+    // tokio reaps the monitor if it exits while this daemon lives; otherwise it outlives us.
+    drop(child);
+    let report = tokio::time::timeout(Duration::from_secs(30), async move {
+        // One line: the pod's own processes may keep the pipe open after it.
+        let rx = tokio::net::unix::pipe::Receiver::from_owned_fd(r)?;
+        let mut s = String::new();
+        tokio::io::AsyncBufReadExt::read_line(&mut tokio::io::BufReader::new(rx), &mut s).await?;
+        Ok::<_, std::io::Error>(s)
+    })
+    .await;
+    let text = match report {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => return Err(Error::Internal(format!("read pod monitor report: {e}"))),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            return Err(Error::DeadlineExceeded(
+                "pod monitor did not report ready within 30 s".into(),
+            ));
+        }
+    };
+    match text.trim() {
+        "ok" => Ok(pid),
+        other => {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let msg = other.strip_prefix("error: ").unwrap_or(other);
+            Err(Error::FailedPrecondition(format!(
+                "pod monitor failed: {}{}",
+                if msg.is_empty() {
+                    "exited without a report"
+                } else {
+                    msg
+                },
+                if log.trim().is_empty() {
+                    String::new()
+                } else {
+                    format!(" (log: {})", log.trim())
+                }
+            )))
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct MonitorClient {
+    socket: PathBuf,
+    channel: std::sync::Arc<tokio::sync::OnceCell<Channel>>,
+}
+
+fn rpc_err(what: &str, s: tonic::Status) -> Error {
+    let msg = format!("{what}: {}", s.message());
+    match s.code() {
+        tonic::Code::NotFound => Error::NotFound(msg),
+        tonic::Code::InvalidArgument => Error::InvalidArgument(msg),
+        tonic::Code::AlreadyExists => Error::AlreadyExists(msg),
+        tonic::Code::FailedPrecondition => Error::FailedPrecondition(msg),
+        tonic::Code::Unimplemented => Error::Unimplemented(msg),
+        tonic::Code::Unavailable => Error::Unavailable(msg),
+        _ => Error::Internal(msg),
+    }
+}
+
+impl MonitorClient {
+    pub fn new(socket: PathBuf) -> MonitorClient {
+        MonitorClient {
+            socket,
+            channel: Default::default(),
+        }
+    }
+
+    async fn client(&self) -> Result<Grpc<Channel>> {
+        let socket = self.socket.clone();
+        let ch = self
+            .channel
+            .get_or_try_init(|| async move {
+                let path = socket.clone();
+                Endpoint::try_from("http://[::]:50051")
+                    .expect("static uri")
+                    .connect_with_connector(tower::service_fn(move |_: Uri| {
+                        let path = path.clone();
+                        async move {
+                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                                tokio::net::UnixStream::connect(path).await?,
+                            ))
+                        }
+                    }))
+                    .await
+                    .map_err(|e| {
+                        Error::Unavailable(format!(
+                            "pod monitor at {}: {}",
+                            socket.display(),
+                            crate::error::chain(&e)
+                        ))
+                    })
+            })
+            .await?;
+        Ok(Grpc::new(ch.clone()))
+    }
+
+    pub async fn info(&self) -> Result<pb::InfoResponse> {
+        Ok(self
+            .client()
+            .await?
+            .info(pb::InfoRequest {})
+            .await
+            .map_err(|s| rpc_err("pod monitor info", s))?
+            .into_inner())
+    }
+
+    pub async fn create(
+        &self,
+        id: &str,
+        bundle: &Path,
+        log_path: &str,
+        tty: bool,
+        stdin: bool,
+        stdin_once: bool,
+    ) -> Result<u32> {
+        let req = pb::CreateContainerRequest {
+            id: id.into(),
+            bundle: bundle.display().to_string(),
+            log_path: log_path.into(),
+            stdin,
+            stdin_once,
+            tty,
+        };
+        Ok(self
+            .client()
+            .await?
+            .create_container(req)
+            .await
+            .map_err(|s| rpc_err("monitor", s))?
+            .into_inner()
+            .pid)
+    }
+
+    pub async fn start(&self, id: &str) -> Result<pb::ContainerState> {
+        Ok(self
+            .client()
+            .await?
+            .start_container(pb::ContainerRef { id: id.into() })
+            .await
+            .map_err(|s| rpc_err("monitor", s))?
+            .into_inner())
+    }
+
+    pub async fn state(&self, id: &str) -> Result<pb::ContainerState> {
+        Ok(self
+            .client()
+            .await?
+            .state(pb::ContainerRef { id: id.into() })
+            .await
+            .map_err(|s| rpc_err("monitor", s))?
+            .into_inner())
+    }
+
+    pub async fn signal(&self, id: &str, signal: i32, all: bool) -> Result<()> {
+        self.client()
+            .await?
+            .signal(pb::SignalRequest {
+                id: id.into(),
+                signal,
+                all,
+            })
+            .await
+            .map_err(|s| rpc_err("monitor", s))?;
+        Ok(())
+    }
+
+    pub async fn wait(&self, id: &str, timeout_ms: i64) -> Result<pb::ContainerState> {
+        Ok(self
+            .client()
+            .await?
+            .wait(pb::WaitRequest {
+                id: id.into(),
+                timeout_ms,
+            })
+            .await
+            .map_err(|s| rpc_err("monitor", s))?
+            .into_inner())
+    }
+
+    pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
+        self.client()
+            .await?
+            .delete(pb::DeleteRequest {
+                id: id.into(),
+                force,
+            })
+            .await
+            .map_err(|s| rpc_err("monitor", s))?;
+        Ok(())
+    }
+
+    pub async fn exec_sync(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+        timeout_ms: i64,
+    ) -> Result<pb::ExecSyncResponse> {
+        Ok(self
+            .client()
+            .await?
+            .exec_sync(pb::ExecSyncRequest {
+                id: id.into(),
+                cmd,
+                timeout_ms,
+            })
+            .await
+            .map_err(|s| rpc_err("monitor", s))?
+            .into_inner())
+    }
+
+    pub async fn reopen_log(&self, id: &str) -> Result<()> {
+        self.client()
+            .await?
+            .reopen_log(pb::ContainerRef { id: id.into() })
+            .await
+            .map_err(|s| rpc_err("monitor", s))?;
+        Ok(())
+    }
+
+    /// Asks the monitor to tear the pod down and waits until its socket is gone.
+    pub async fn shutdown(&self) {
+        if let Ok(mut c) = self.client().await {
+            let _ = c.shutdown(pb::Empty {}).await;
+        }
+        for _ in 0..250 {
+            if !self.socket.exists() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tracing::warn!(socket = %self.socket.display(), "pod monitor did not shut down within 5 s");
+    }
+}

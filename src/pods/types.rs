@@ -1,0 +1,179 @@
+//! hako's own description of pods and containers: what the CRI layer converts requests into,
+//! and what the store keeps (versioned JSON records).
+
+use std::collections::BTreeMap;
+
+use hako_runtime::spec::Resources;
+use serde::{Deserialize, Serialize};
+
+/// Where a pod or container namespace comes from (CRI `NamespaceMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum NsMode {
+    /// Shared by the pod.
+    #[default]
+    Pod,
+    /// The container's own.
+    Container,
+    /// The host's.
+    Node,
+    /// Another container's (PID only).
+    Target,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Dns {
+    pub servers: Vec<String>,
+    pub searches: Vec<String>,
+    pub options: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PortMapping {
+    pub protocol: String,
+    pub container_port: i32,
+    pub host_port: i32,
+    pub host_ip: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PodSpec {
+    pub name: String,
+    pub uid: String,
+    pub namespace: String,
+    pub attempt: u32,
+    pub hostname: String,
+    pub log_directory: String,
+    pub dns: Option<Dns>,
+    pub port_mappings: Vec<PortMapping>,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    pub cgroup_parent: String,
+    pub sysctls: BTreeMap<String, String>,
+    pub network: NsMode,
+    pub pid: NsMode,
+    pub ipc: NsMode,
+    pub runtime_handler: String,
+}
+
+impl PodSpec {
+    /// kubelet's unique key for a pod attempt.
+    pub fn reservation(&self) -> String {
+        format!(
+            "pod/{}_{}_{}_{}",
+            self.name, self.namespace, self.uid, self.attempt
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PodState {
+    Ready,
+    NotReady,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PodRecord {
+    pub v: u32,
+    pub id: String,
+    pub spec: PodSpec,
+    pub state: PodState,
+    pub created_at: i64,
+    pub monitor_pid: u32,
+    /// Namespace paths containers join, by kind ("network", "ipc", "uts", "pid").
+    pub namespaces: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Propagation {
+    #[default]
+    Private,
+    HostToContainer,
+    Bidirectional,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MountReq {
+    pub container_path: String,
+    pub host_path: String,
+    pub readonly: bool,
+    pub propagation: Propagation,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Security {
+    pub privileged: bool,
+    pub run_as_user: Option<i64>,
+    pub run_as_username: String,
+    pub run_as_group: Option<i64>,
+    pub supplemental_groups: Vec<i64>,
+    pub readonly_rootfs: bool,
+    pub no_new_privs: bool,
+    pub add_capabilities: Vec<String>,
+    pub drop_capabilities: Vec<String>,
+    pub masked_paths: Option<Vec<String>>,
+    pub readonly_paths: Option<Vec<String>>,
+    pub pid: NsMode,
+    pub pid_target: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ContainerSpecReq {
+    pub name: String,
+    pub attempt: u32,
+    /// The image as the request names it.
+    pub image: String,
+    pub command: Vec<String>,
+    pub args: Vec<String>,
+    pub working_dir: String,
+    pub envs: Vec<(String, String)>,
+    pub mounts: Vec<MountReq>,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    /// Relative to the pod's log directory.
+    pub log_path: String,
+    pub tty: bool,
+    pub stdin: bool,
+    pub stdin_once: bool,
+    pub resources: Resources,
+    pub security: Security,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ContainerState {
+    Created,
+    Running,
+    Exited,
+    Unknown,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExitInfo {
+    pub code: i32,
+    pub signal: i32,
+    pub finished_at: i64,
+    pub oom_killed: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ContainerRecord {
+    pub v: u32,
+    pub id: String,
+    pub pod_id: String,
+    pub spec: ContainerSpecReq,
+    pub image_id: String,
+    pub image_ref: String,
+    pub created_at: i64,
+    /// Full path of the CRI log file, or empty.
+    pub log_path: String,
+    /// Last state seen; the monitor is the source of truth while the pod runs.
+    pub state: ContainerState,
+    pub started_at: i64,
+    pub exit: Option<ExitInfo>,
+    pub chain_ids: Vec<String>,
+}
+
+impl ContainerSpecReq {
+    pub fn reservation(&self, pod_id: &str) -> String {
+        format!("ctr/{pod_id}/{}_{}", self.name, self.attempt)
+    }
+}

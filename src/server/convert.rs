@@ -1,0 +1,306 @@
+//! CRI ⇄ hako conversions for pods and containers.
+
+use std::collections::{BTreeMap, HashMap};
+
+use k8s_cri::v1 as cri;
+
+use crate::pods::{
+    ContainerSpecReq, ContainerState, ContainerView, Dns, MountReq, NsMode, PodRecord, PodSpec,
+    PodState, PortMapping, Propagation, Security,
+};
+use hako_runtime::spec::Resources;
+
+fn btree(m: HashMap<String, String>) -> BTreeMap<String, String> {
+    m.into_iter().collect()
+}
+
+fn hash(m: &BTreeMap<String, String>) -> HashMap<String, String> {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+fn ns_mode(v: i32) -> NsMode {
+    match cri::NamespaceMode::try_from(v).unwrap_or(cri::NamespaceMode::Pod) {
+        cri::NamespaceMode::Pod => NsMode::Pod,
+        cri::NamespaceMode::Container => NsMode::Container,
+        cri::NamespaceMode::Node => NsMode::Node,
+        cri::NamespaceMode::Target => NsMode::Target,
+    }
+}
+
+fn ns_mode_cri(m: NsMode) -> i32 {
+    (match m {
+        NsMode::Pod => cri::NamespaceMode::Pod,
+        NsMode::Container => cri::NamespaceMode::Container,
+        NsMode::Node => cri::NamespaceMode::Node,
+        NsMode::Target => cri::NamespaceMode::Target,
+    }) as i32
+}
+
+pub fn pod_spec(c: cri::PodSandboxConfig, runtime_handler: String) -> PodSpec {
+    let md = c.metadata.unwrap_or_default();
+    let linux = c.linux.unwrap_or_default();
+    let ns = linux
+        .security_context
+        .as_ref()
+        .and_then(|s| s.namespace_options.clone())
+        .unwrap_or_default();
+    PodSpec {
+        name: md.name,
+        uid: md.uid,
+        namespace: md.namespace,
+        attempt: md.attempt,
+        hostname: c.hostname,
+        log_directory: c.log_directory,
+        dns: c.dns_config.map(|d| Dns {
+            servers: d.servers,
+            searches: d.searches,
+            options: d.options,
+        }),
+        port_mappings: c
+            .port_mappings
+            .into_iter()
+            .map(|p| PortMapping {
+                protocol: cri::Protocol::try_from(p.protocol)
+                    .map(|x| x.as_str_name().to_string())
+                    .unwrap_or_default(),
+                container_port: p.container_port,
+                host_port: p.host_port,
+                host_ip: p.host_ip,
+            })
+            .collect(),
+        labels: btree(c.labels),
+        annotations: btree(c.annotations),
+        cgroup_parent: linux.cgroup_parent,
+        sysctls: btree(linux.sysctls),
+        // CONTAINER mode for network/IPC means the pod's own, as containerd treats it.
+        network: match ns_mode(ns.network) {
+            NsMode::Node => NsMode::Node,
+            _ => NsMode::Pod,
+        },
+        pid: ns_mode(ns.pid),
+        ipc: match ns_mode(ns.ipc) {
+            NsMode::Node => NsMode::Node,
+            _ => NsMode::Pod,
+        },
+        runtime_handler,
+    }
+}
+
+fn pod_metadata(s: &PodSpec) -> cri::PodSandboxMetadata {
+    cri::PodSandboxMetadata {
+        name: s.name.clone(),
+        uid: s.uid.clone(),
+        namespace: s.namespace.clone(),
+        attempt: s.attempt,
+    }
+}
+
+fn pod_state(s: PodState) -> i32 {
+    (match s {
+        PodState::Ready => cri::PodSandboxState::SandboxReady,
+        PodState::NotReady => cri::PodSandboxState::SandboxNotready,
+    }) as i32
+}
+
+pub fn pod_status(p: &PodRecord) -> cri::PodSandboxStatus {
+    cri::PodSandboxStatus {
+        id: p.id.clone(),
+        metadata: Some(pod_metadata(&p.spec)),
+        state: pod_state(p.state),
+        created_at: p.created_at,
+        network: Some(cri::PodSandboxNetworkStatus::default()),
+        linux: Some(cri::LinuxPodSandboxStatus {
+            namespaces: Some(cri::Namespace {
+                options: Some(cri::NamespaceOption {
+                    network: ns_mode_cri(p.spec.network),
+                    pid: ns_mode_cri(p.spec.pid),
+                    ipc: ns_mode_cri(p.spec.ipc),
+                    ..Default::default()
+                }),
+            }),
+        }),
+        labels: hash(&p.spec.labels),
+        annotations: hash(&p.spec.annotations),
+        runtime_handler: p.spec.runtime_handler.clone(),
+    }
+}
+
+pub fn pod_item(p: &PodRecord) -> cri::PodSandbox {
+    cri::PodSandbox {
+        id: p.id.clone(),
+        metadata: Some(pod_metadata(&p.spec)),
+        state: pod_state(p.state),
+        created_at: p.created_at,
+        labels: hash(&p.spec.labels),
+        annotations: hash(&p.spec.annotations),
+        runtime_handler: p.spec.runtime_handler.clone(),
+    }
+}
+
+pub fn labels_match(labels: &BTreeMap<String, String>, selector: &HashMap<String, String>) -> bool {
+    selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
+    let md = c.metadata.unwrap_or_default();
+    let linux = c.linux.unwrap_or_default();
+    let r = linux.resources.unwrap_or_default();
+    let s = linux.security_context.unwrap_or_default();
+    let caps = s.capabilities.clone().unwrap_or_default();
+    let ns = s.namespace_options.clone().unwrap_or_default();
+    let pos = |x: i64| (x > 0).then_some(x);
+    ContainerSpecReq {
+        name: md.name,
+        attempt: md.attempt,
+        image: c.image.map(|i| i.image).unwrap_or_default(),
+        command: c.command,
+        args: c.args,
+        working_dir: c.working_dir,
+        envs: c.envs.into_iter().map(|kv| (kv.key, kv.value)).collect(),
+        mounts: c
+            .mounts
+            .into_iter()
+            .map(|m| MountReq {
+                container_path: m.container_path,
+                host_path: m.host_path,
+                readonly: m.readonly,
+                propagation: match cri::MountPropagation::try_from(m.propagation)
+                    .unwrap_or(cri::MountPropagation::PropagationPrivate)
+                {
+                    cri::MountPropagation::PropagationPrivate => Propagation::Private,
+                    cri::MountPropagation::PropagationHostToContainer => {
+                        Propagation::HostToContainer
+                    }
+                    cri::MountPropagation::PropagationBidirectional => Propagation::Bidirectional,
+                },
+            })
+            .collect(),
+        labels: btree(c.labels),
+        annotations: btree(c.annotations),
+        log_path: c.log_path,
+        tty: c.tty,
+        stdin: c.stdin,
+        stdin_once: c.stdin_once,
+        resources: Resources {
+            cpu_shares: (r.cpu_shares > 0).then_some(r.cpu_shares as u64),
+            cpu_quota: pos(r.cpu_quota),
+            cpu_period: (r.cpu_period > 0).then_some(r.cpu_period as u64),
+            cpuset_cpus: (!r.cpuset_cpus.is_empty()).then_some(r.cpuset_cpus),
+            cpuset_mems: (!r.cpuset_mems.is_empty()).then_some(r.cpuset_mems),
+            memory_limit: pos(r.memory_limit_in_bytes),
+            memory_swap: pos(r.memory_swap_limit_in_bytes),
+            pids_limit: None,
+        },
+        security: Security {
+            privileged: s.privileged,
+            run_as_user: s.run_as_user.map(|v| v.value),
+            run_as_username: s.run_as_username,
+            run_as_group: s.run_as_group.map(|v| v.value),
+            supplemental_groups: s.supplemental_groups,
+            readonly_rootfs: s.readonly_rootfs,
+            no_new_privs: s.no_new_privs,
+            add_capabilities: caps.add_capabilities,
+            drop_capabilities: caps.drop_capabilities,
+            masked_paths: (!s.masked_paths.is_empty()).then_some(s.masked_paths),
+            readonly_paths: (!s.readonly_paths.is_empty()).then_some(s.readonly_paths),
+            pid: ns_mode(ns.pid),
+            pid_target: ns.target_id,
+        },
+    }
+}
+
+fn container_state(s: ContainerState) -> i32 {
+    (match s {
+        ContainerState::Created => cri::ContainerState::ContainerCreated,
+        ContainerState::Running => cri::ContainerState::ContainerRunning,
+        ContainerState::Exited => cri::ContainerState::ContainerExited,
+        ContainerState::Unknown => cri::ContainerState::ContainerUnknown,
+    }) as i32
+}
+
+fn container_metadata(v: &ContainerView) -> cri::ContainerMetadata {
+    cri::ContainerMetadata {
+        name: v.record.spec.name.clone(),
+        attempt: v.record.spec.attempt,
+    }
+}
+
+pub fn container_status(v: &ContainerView) -> cri::ContainerStatus {
+    let r = &v.record;
+    let (exit_code, finished_at, reason) = match (&v.exit, v.state) {
+        (Some(e), ContainerState::Exited) => {
+            let reason = if e.oom_killed {
+                "OOMKilled"
+            } else if e.code == 0 {
+                "Completed"
+            } else {
+                "Error"
+            };
+            (e.code, e.finished_at, reason.to_string())
+        }
+        _ => (0, 0, String::new()),
+    };
+    cri::ContainerStatus {
+        id: r.id.clone(),
+        metadata: Some(container_metadata(v)),
+        state: container_state(v.state),
+        created_at: r.created_at,
+        started_at: v.started_at,
+        finished_at,
+        exit_code,
+        image: Some(cri::ImageSpec {
+            image: r.spec.image.clone(),
+            ..Default::default()
+        }),
+        image_ref: r.image_ref.clone(),
+        reason,
+        message: String::new(),
+        labels: hash(&r.spec.labels),
+        annotations: hash(&r.spec.annotations),
+        mounts: r
+            .spec
+            .mounts
+            .iter()
+            .map(|m| cri::Mount {
+                container_path: m.container_path.clone(),
+                host_path: m.host_path.clone(),
+                readonly: m.readonly,
+                propagation: (match m.propagation {
+                    Propagation::Private => cri::MountPropagation::PropagationPrivate,
+                    Propagation::HostToContainer => {
+                        cri::MountPropagation::PropagationHostToContainer
+                    }
+                    Propagation::Bidirectional => cri::MountPropagation::PropagationBidirectional,
+                }) as i32,
+                ..Default::default()
+            })
+            .collect(),
+        log_path: r.log_path.clone(),
+        resources: None,
+        image_id: r.image_id.clone(),
+        user: None,
+    }
+}
+
+pub fn container_item(v: &ContainerView) -> cri::Container {
+    let r = &v.record;
+    cri::Container {
+        id: r.id.clone(),
+        pod_sandbox_id: r.pod_id.clone(),
+        metadata: Some(container_metadata(v)),
+        image: Some(cri::ImageSpec {
+            image: r.spec.image.clone(),
+            ..Default::default()
+        }),
+        image_ref: r.image_ref.clone(),
+        state: container_state(v.state),
+        created_at: r.created_at,
+        labels: hash(&r.spec.labels),
+        annotations: hash(&r.spec.annotations),
+        image_id: r.image_id.clone(),
+    }
+}
+
+pub fn container_state_matches(v: &ContainerView, want: i32) -> bool {
+    container_state(v.state) == want
+}

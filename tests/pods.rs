@@ -1,0 +1,344 @@
+//! Pods and containers end to end: a real hako runs busybox containers through its pod
+//! monitors and libcontainer; CRI over gRPC, crictl for the operator's view.
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use k8s_cri::v1 as cri;
+use support::hako::Hako;
+use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
+use support::registry::Registry;
+
+const IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
+
+/// A hako with the busybox stand-in pulled (served through a hosts.toml mirror).
+async fn ready() -> Option<(Registry, Hako)> {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return None;
+    }
+    let reg = Registry::start();
+    let img = Image::new(
+        vec![Layer::new(
+            &oci::busybox_base_tar(),
+            Compression::Gzip,
+            false,
+        )],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr)
+        .push("e2e-test-images/busybox", "1.29-2", &img)
+        .await;
+    let h = Hako::start("");
+    h.hosts_toml(
+        "registry.k8s.io",
+        &support::standins::hosts_toml("registry.k8s.io", &reg.addr),
+    );
+    let mut c = h.images().await;
+    c.pull_image(cri::PullImageRequest {
+        image: Some(cri::ImageSpec {
+            image: IMAGE.into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await
+    .expect("pull busybox");
+    Some((reg, h))
+}
+
+fn pod_config(name: &str, log_dir: &std::path::Path) -> cri::PodSandboxConfig {
+    cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            namespace: "default".into(),
+            attempt: 0,
+        }),
+        hostname: format!("{name}-host"),
+        log_directory: log_dir.display().to_string(),
+        labels: HashMap::from([("app".to_string(), name.to_string())]),
+        ..Default::default()
+    }
+}
+
+fn container_config(name: &str, cmd: &[&str]) -> cri::ContainerConfig {
+    cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata {
+            name: name.into(),
+            attempt: 0,
+        }),
+        image: Some(cri::ImageSpec {
+            image: IMAGE.into(),
+            ..Default::default()
+        }),
+        command: cmd.iter().map(|s| s.to_string()).collect(),
+        log_path: format!("{name}.log"),
+        ..Default::default()
+    }
+}
+
+async fn wait_exited(
+    rt: &mut k8s_cri::v1::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>,
+    id: &str,
+) -> cri::ContainerStatus {
+    for _ in 0..300 {
+        let s = rt
+            .container_status(cri::ContainerStatusRequest {
+                container_id: id.into(),
+                verbose: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+            .unwrap();
+        if s.state == cri::ContainerState::ContainerExited as i32 {
+            return s;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("container {id} did not exit");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pod_and_container_lifecycle() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("web", logs.path());
+    let pod = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .pod_sandbox_id;
+    // A retry of the same pod returns the same sandbox.
+    let again = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .pod_sandbox_id;
+    assert_eq!(again, pod);
+    let st = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(st.state, cri::PodSandboxState::SandboxReady as i32);
+    assert_eq!(st.metadata.unwrap().name, "web");
+
+    // A container that prints, sees its hostname, and exits.
+    let cc = container_config(
+        "hello",
+        &["sh", "-c", "echo hello; echo err >&2; hostname; id -u"],
+    );
+    let cid = rt
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(cc),
+            sandbox_config: Some(cfg.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .container_id;
+    let st = rt
+        .container_status(cri::ContainerStatusRequest {
+            container_id: cid.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(st.state, cri::ContainerState::ContainerCreated as i32);
+    rt.start_container(cri::StartContainerRequest {
+        container_id: cid.clone(),
+    })
+    .await
+    .unwrap();
+    let st = wait_exited(&mut rt, &cid).await;
+    assert_eq!((st.exit_code, st.reason.as_str()), (0, "Completed"));
+    assert!(st.started_at > 0 && st.finished_at >= st.started_at);
+    let log = std::fs::read_to_string(logs.path().join("hello.log")).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert!(
+        lines.iter().any(|l| l.ends_with(" stdout F hello")),
+        "{log}"
+    );
+    assert!(lines.iter().any(|l| l.ends_with(" stderr F err")), "{log}");
+    assert!(
+        lines.iter().any(|l| l.ends_with(" stdout F web-host")),
+        "{log}"
+    );
+    assert!(lines.iter().any(|l| l.ends_with(" stdout F 0")), "{log}");
+
+    // A long-running one: exec into it, then stop it.
+    let cc = container_config(
+        "sleeper",
+        &[
+            "sh",
+            "-c",
+            "trap 'exit 3' TERM; while true; do sleep 0.1; done",
+        ],
+    );
+    let sid = rt
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(cc),
+            sandbox_config: Some(cfg.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .container_id;
+    rt.start_container(cri::StartContainerRequest {
+        container_id: sid.clone(),
+    })
+    .await
+    .unwrap();
+    let out = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: sid.clone(),
+            cmd: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo in; echo out >&2; exit 7".into(),
+            ],
+            timeout: 10,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (out.stdout.as_slice(), out.stderr.as_slice(), out.exit_code),
+        (&b"in\n"[..], &b"out\n"[..], 7)
+    );
+    let started = std::time::Instant::now();
+    let err = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: sid.clone(),
+            cmd: vec!["sleep".into(), "30".into()],
+            timeout: 1,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert_eq!(listed.len(), 2);
+    let running = listed.iter().find(|c| c.id == sid).unwrap();
+    assert_eq!(running.state, cri::ContainerState::ContainerRunning as i32);
+    rt.stop_container(cri::StopContainerRequest {
+        container_id: sid.clone(),
+        timeout: 10,
+    })
+    .await
+    .unwrap();
+    let st = wait_exited(&mut rt, &sid).await;
+    assert_eq!(
+        (st.exit_code, st.reason.as_str()),
+        (3, "Error"),
+        "SIGTERM handled by the trap"
+    );
+
+    // Removal and the pod's end.
+    rt.remove_container(cri::RemoveContainerRequest {
+        container_id: cid.clone(),
+    })
+    .await
+    .unwrap();
+    rt.remove_container(cri::RemoveContainerRequest {
+        container_id: cid.clone(),
+    })
+    .await
+    .unwrap();
+    let err = rt
+        .container_status(cri::ContainerStatusRequest {
+            container_id: cid.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    let st = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(st.state, cri::PodSandboxState::SandboxNotready as i32);
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    assert!(rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .items
+        .is_empty());
+    assert!(rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers
+        .is_empty());
+    // Nothing left: no state files, no mounts under the daemon's dirs.
+    assert!(
+        Hako::files_under(&h.dir.path().join("state/pods")).is_empty(),
+        "{:?}",
+        Hako::files_under(&h.dir.path().join("state/pods"))
+    );
+    assert!(Hako::files_under(&h.dir.path().join("state/containers")).is_empty());
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(&h.dir.path().display().to_string()),
+        "leaked mounts"
+    );
+}
