@@ -86,8 +86,13 @@ async fn critest_must_pass_specs_pass() {
         cmd.arg(format!("-ginkgo.focus={focus}"));
     }
     let out = cmd.output().expect("run critest");
-    let log = h.dir.path().join("critest.log");
+    // Kept in target/ for reading after the run (the daemon's temp dir goes with it).
+    let log = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/critest.log");
     std::fs::write(&log, [&out.stdout[..], &out.stderr[..]].concat()).unwrap();
+    let _ = std::fs::copy(
+        &h.log,
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/critest-hako.log"),
+    );
     let xml = std::fs::read_to_string(&report).unwrap_or_else(|e| {
         panic!(
             "critest wrote no report ({e}); its output:\n{}",

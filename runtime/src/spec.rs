@@ -157,6 +157,9 @@ pub struct ContainerSpec {
     /// Extra masked/read-only paths from the CRI security context; `None` keeps the defaults.
     pub masked_paths: Option<Vec<String>>,
     pub readonly_paths: Option<Vec<String>>,
+    /// Capabilities the runtime itself holds (its bounding set); others cannot be granted.
+    /// Empty: no limit.
+    pub cap_limit: Vec<String>,
 }
 
 fn cap_name(c: &str) -> String {
@@ -190,7 +193,31 @@ pub fn capabilities(s: &ContainerSpec) -> Vec<String> {
             caps.retain(|c| c != &cap_name(d));
         }
     }
+    if !s.cap_limit.is_empty() {
+        caps.retain(|c| s.cap_limit.contains(c));
+    }
     caps
+}
+
+/// The capabilities in a `CapBnd:`-style hex mask (`/proc/self/status`).
+pub fn capabilities_in_mask(mask: u64) -> Vec<String> {
+    ALL_CAPABILITIES
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| mask & (1u64 << i) != 0)
+        .map(|(_, c)| c.to_string())
+        .collect()
+}
+
+/// This process's bounding set: what it can grant to containers.
+pub fn own_bounding_set() -> Vec<String> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapBnd:"))
+        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+        .map(capabilities_in_mask)
+        .unwrap_or_default()
 }
 
 fn namespaces(s: &ContainerSpec) -> Vec<Value> {
@@ -321,6 +348,13 @@ pub fn generate_json(s: &ContainerSpec) -> Value {
         "resources": resources(s),
         "sysctl": s.sysctls,
     });
+    // Mount events only cross into (rslave) or out of (rshared) the container when its root
+    // itself propagates them, as containerd sets it.
+    if s.mounts.iter().any(|m| m.propagation == "rshared") {
+        linux["rootfsPropagation"] = json!("shared");
+    } else if s.mounts.iter().any(|m| m.propagation == "rslave") {
+        linux["rootfsPropagation"] = json!("slave");
+    }
     if !s.privileged {
         linux["maskedPaths"] = json!(s
             .masked_paths
@@ -437,6 +471,23 @@ mod tests {
     }
 
     #[test]
+    fn capabilities_are_limited_to_what_the_runtime_holds() {
+        let without_sys_resource = capabilities_in_mask(0x1fffeffffff);
+        assert_eq!(without_sys_resource.len(), ALL_CAPABILITIES.len() - 1);
+        assert!(!without_sys_resource.contains(&"CAP_SYS_RESOURCE".to_string()));
+        check(
+            |s| {
+                s.privileged = true;
+                s.cap_limit = without_sys_resource.clone();
+            },
+            |v| {
+                assert_eq!(caps_of(v).len(), ALL_CAPABILITIES.len() - 1);
+                assert!(!caps_of(v).contains(&"CAP_SYS_RESOURCE".to_string()));
+            },
+        );
+    }
+
+    #[test]
     fn privileged_gets_everything_and_no_masks() {
         check(
             |s| s.privileged = true,
@@ -516,6 +567,7 @@ mod tests {
                 );
                 assert_eq!(v["root"]["readonly"], true);
                 assert_eq!(v["process"]["noNewPrivileges"], true);
+                assert_eq!(v["linux"]["rootfsPropagation"], "slave");
             },
         );
     }

@@ -75,6 +75,8 @@ pub struct Runtime {
     monitors: std::sync::Mutex<HashMap<String, MonitorClient>>,
     /// One create per pod or container name at a time: a retry waits for the first attempt.
     name_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The daemon's bounding set: what containers can be granted (no more than we hold).
+    cap_limit: Vec<String>,
 }
 
 /// What the CRI layer shows of a container.
@@ -102,6 +104,7 @@ impl Runtime {
             root_dir: root_dir.to_path_buf(),
             monitors: std::sync::Mutex::new(HashMap::new()),
             name_locks: tokio::sync::Mutex::new(HashMap::new()),
+            cap_limit: spec::own_bounding_set(),
         }
     }
 
@@ -557,6 +560,13 @@ impl Runtime {
         };
         // The user: the request's uid or name, else the image's USER.
         let sec = &req.security;
+        if sec.run_as_group.is_some() && sec.run_as_user.is_none() && sec.run_as_username.is_empty()
+        {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: run_as_group needs run_as_user or run_as_username",
+                req.name
+            )));
+        }
         let image_user = ic["User"].as_str().unwrap_or("");
         let (user, group) = match (&sec.run_as_user, sec.run_as_username.as_str()) {
             (Some(uid), _) => (uid.to_string(), None),
@@ -664,6 +674,7 @@ impl Runtime {
             annotations,
             masked_paths: sec.masked_paths.clone(),
             readonly_paths: sec.readonly_paths.clone(),
+            cap_limit: self.cap_limit.clone(),
         })
     }
 
