@@ -21,6 +21,7 @@ pub struct Config {
     pub state: PathBuf,
     pub registry: RegistryConfig,
     pub image: ImageConfig,
+    pub runtime: RuntimeConfig,
     pub cni: CniConfig,
     pub cdi: CdiConfig,
     pub streaming: StreamingConfig,
@@ -40,6 +41,15 @@ pub struct ImageConfig {
     pub pull_progress_timeout_secs: u64,
     /// Layers of one image downloaded at the same time.
     pub max_concurrent_downloads: usize,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RuntimeConfig {
+    /// Never give a container a lower `oom_score_adj` than the daemon's own (containerd's
+    /// option of the same name). Applied anyway when the daemon lacks CAP_SYS_RESOURCE, since
+    /// the kernel would refuse the lower value.
+    pub restrict_oom_score_adj: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -71,6 +81,7 @@ impl Default for Config {
             state: "/run/hako".into(),
             registry: RegistryConfig::default(),
             image: ImageConfig::default(),
+            runtime: RuntimeConfig::default(),
             cni: CniConfig::default(),
             cdi: CdiConfig::default(),
             streaming: StreamingConfig::default(),

@@ -55,7 +55,13 @@ impl Daemon {
             config.image.clone(),
         )
         .await?;
-        let runtime = crate::pods::Runtime::new(store, images.clone(), &config.state, &config.root);
+        let runtime = crate::pods::Runtime::new(
+            store,
+            images.clone(),
+            &config.state,
+            &config.root,
+            config.runtime.restrict_oom_score_adj,
+        );
         Ok(Daemon {
             config,
             images,

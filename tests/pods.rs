@@ -342,3 +342,222 @@ async fn pod_and_container_lifecycle() {
         "leaked mounts"
     );
 }
+
+async fn run_container(
+    rt: &mut k8s_cri::v1::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>,
+    pod: &str,
+    cfg: &cri::PodSandboxConfig,
+    cc: cri::ContainerConfig,
+) -> String {
+    let id = rt
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: pod.into(),
+            config: Some(cc),
+            sandbox_config: Some(cfg.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .container_id;
+    rt.start_container(cri::StartContainerRequest {
+        container_id: id.clone(),
+    })
+    .await
+    .unwrap();
+    id
+}
+
+async fn exec(
+    rt: &mut k8s_cri::v1::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>,
+    id: &str,
+    script: &str,
+) -> String {
+    let out = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: id.into(),
+            cmd: vec!["sh".into(), "-c".into(), script.into()],
+            timeout: 10,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        out.exit_code,
+        0,
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn oom_score_adj_is_clamped_to_the_daemons_own() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("oom", logs.path());
+    let pod = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .pod_sandbox_id;
+    let own: i32 = std::fs::read_to_string(format!("/proc/{}/oom_score_adj", h.pid()))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let with_adj = |name: &str, adj: i64| {
+        let mut cc = container_config(name, &["sleep", "300"]);
+        // Its own PID namespace, so /proc/1 is the container's init.
+        cc.linux = Some(cri::LinuxContainerConfig {
+            resources: Some(cri::LinuxContainerResources {
+                oom_score_adj: adj,
+                ..Default::default()
+            }),
+            security_context: Some(cri::LinuxContainerSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    pid: cri::NamespaceMode::Container as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+        });
+        cc
+    };
+    let low = run_container(&mut rt, &pod, &cfg, with_adj("low", -998)).await;
+    let high = run_container(&mut rt, &pod, &cfg, with_adj("high", 500)).await;
+    let has_sys_resource = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .any(|l| {
+            l.starts_with("CapBnd:")
+                && u64::from_str_radix(l[7..].trim(), 16).unwrap() & (1 << 24) != 0
+        });
+    let low_seen: i32 = exec(&mut rt, &low, "cat /proc/1/oom_score_adj")
+        .await
+        .parse()
+        .unwrap();
+    if has_sys_resource {
+        assert_eq!(low_seen, -998);
+    } else {
+        assert_eq!(low_seen, own, "clamped to the daemon's own score");
+    }
+    assert_eq!(
+        exec(&mut rt, &high, "cat /proc/1/oom_score_adj").await,
+        "500"
+    );
+    // The monitor keeps its own score: a later container may go back down to the floor.
+    let low2 = run_container(&mut rt, &pod, &cfg, with_adj("low2", -998)).await;
+    assert_eq!(
+        exec(&mut rt, &low2, "cat /proc/1/oom_score_adj").await,
+        low_seen.to_string()
+    );
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod,
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pods_outlive_a_killed_daemon_and_exits_are_reported_after_restart() {
+    let Some((_reg, mut h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("survivor", logs.path());
+    let pod = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .pod_sandbox_id;
+    let ticker = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config(
+            "ticker",
+            &[
+                "sh",
+                "-c",
+                "i=0; while true; do echo tick $i; i=$((i+1)); sleep 0.1; done",
+            ],
+        ),
+    )
+    .await;
+    let short = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("short", &["sh", "-c", "sleep 1; exit 5"]),
+    )
+    .await;
+    h.kill9();
+    let log = logs.path().join("ticker.log");
+    let before = std::fs::read_to_string(&log).unwrap().lines().count();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during = std::fs::read_to_string(&log).unwrap().lines().count();
+    assert!(
+        during > before,
+        "logs keep flowing while the daemon is down ({before} → {during})"
+    );
+    h.restart();
+    let mut rt = h.runtime().await;
+    let st = rt
+        .container_status(cri::ContainerStatusRequest {
+            container_id: short.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(
+        st.state,
+        cri::ContainerState::ContainerExited as i32,
+        "the exit while the daemon was down is known"
+    );
+    assert_eq!(st.exit_code, 5);
+    let st = rt
+        .container_status(cri::ContainerStatusRequest {
+            container_id: ticker.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
+    assert_eq!(exec(&mut rt, &ticker, "echo alive").await, "alive");
+    let pods = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .items;
+    assert_eq!(pods.len(), 1);
+    assert_eq!(pods[0].state, cri::PodSandboxState::SandboxReady as i32);
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod,
+    })
+    .await
+    .unwrap();
+}

@@ -77,6 +77,29 @@ pub struct Runtime {
     name_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The daemon's bounding set: what containers can be granted (no more than we hold).
     cap_limit: Vec<String>,
+    /// The lowest oom_score_adj a container may get, when restricted (the daemon's own).
+    oom_floor: Option<i32>,
+}
+
+/// Whether containers must not get a lower oom_score_adj than ours: asked for, or forced
+/// because without CAP_SYS_RESOURCE the kernel refuses to lower it.
+fn oom_floor(restrict: bool, caps: &[String]) -> Option<i32> {
+    let forced = !caps.iter().any(|c| c == "CAP_SYS_RESOURCE");
+    if !(restrict || forced) {
+        return None;
+    }
+    let own = std::fs::read_to_string("/proc/self/oom_score_adj")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    if forced && !restrict {
+        tracing::warn!(
+            floor = own,
+            "no CAP_SYS_RESOURCE: container oom_score_adj is clamped to the daemon's own"
+        );
+    }
+    Some(own)
 }
 
 /// What the CRI layer shows of a container.
@@ -96,15 +119,23 @@ pub struct ExecOutput {
 }
 
 impl Runtime {
-    pub fn new(store: Arc<Store>, images: Images, state_dir: &Path, root_dir: &Path) -> Runtime {
+    pub fn new(
+        store: Arc<Store>,
+        images: Images,
+        state_dir: &Path,
+        root_dir: &Path,
+        restrict_oom_score_adj: bool,
+    ) -> Runtime {
+        let cap_limit = spec::own_bounding_set();
         Runtime {
+            oom_floor: oom_floor(restrict_oom_score_adj, &cap_limit),
             store,
             images,
             state_dir: state_dir.to_path_buf(),
             root_dir: root_dir.to_path_buf(),
             monitors: std::sync::Mutex::new(HashMap::new()),
             name_locks: tokio::sync::Mutex::new(HashMap::new()),
-            cap_limit: spec::own_bounding_set(),
+            cap_limit,
         }
     }
 
@@ -669,7 +700,16 @@ impl Runtime {
             no_new_privileges: sec.no_new_privs,
             cgroups_path: format!("{cgroup_parent}/hako-{id}"),
             resources: req.resources.clone(),
-            oom_score_adj: None,
+            oom_score_adj: req.oom_score_adj.map(|adj| {
+                let adj = adj.clamp(-1000, 1000) as i32;
+                match self.oom_floor {
+                    Some(floor) if adj < floor => {
+                        tracing::info!(container = %id, requested = adj, used = floor, "oom_score_adj raised to the daemon's own");
+                        floor
+                    }
+                    _ => adj,
+                }
+            }),
             sysctls: BTreeMap::new(),
             annotations,
             masked_paths: sec.masked_paths.clone(),

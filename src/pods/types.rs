@@ -135,6 +135,7 @@ pub struct ContainerSpecReq {
     pub stdin: bool,
     pub stdin_once: bool,
     pub resources: Resources,
+    pub oom_score_adj: Option<i64>,
     pub security: Security,
 }
 

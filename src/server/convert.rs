@@ -191,6 +191,7 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
             memory_swap: pos(r.memory_swap_limit_in_bytes),
             pids_limit: None,
         },
+        oom_score_adj: (r.oom_score_adj != 0).then_some(r.oom_score_adj),
         security: Security {
             privileged: s.privileged,
             run_as_user: s.run_as_user.map(|v| v.value),

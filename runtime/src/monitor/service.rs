@@ -105,6 +105,69 @@ fn collect(fd: OwnedFd) -> Result<tokio::task::JoinHandle<Vec<u8>>, Status> {
     }))
 }
 
+/// Runs a libcontainer create or exec in a forked helper and returns the new process's pid.
+///
+/// libcontainer writes the spec's `oom_score_adj` to its *caller* and marks the caller
+/// non-dumpable; done in the monitor itself, one container's score would stick to the monitor
+/// and every later container (it cannot be lowered again without CAP_SYS_RESOURCE). The helper
+/// takes those changes and exits; the new process, its child, is reparented to the monitor,
+/// which is the pod's child subreaper. The monitor is single-threaded, so forking is safe.
+fn in_helper(
+    state: &Shared,
+    f: impl FnOnce() -> Result<nix::unistd::Pid, Status>,
+) -> Result<nix::unistd::Pid, Status> {
+    use std::io::Write;
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| err("pipe", e))?;
+    // SAFETY: the monitor runs a current-thread runtime and no other thread.
+    match unsafe { nix::unistd::fork() }.map_err(|e| err("fork helper", e))? {
+        nix::unistd::ForkResult::Child => {
+            drop(r);
+            let msg = match f() {
+                Ok(pid) => format!("P{}\n", pid.as_raw()),
+                Err(s) => format!("E{}:{}\n", s.code() as i32, s.message().replace('\n', " ")),
+            };
+            let mut w = std::fs::File::from(w);
+            let _ = w.write_all(msg.as_bytes());
+            drop(w);
+            // SAFETY: leave without running the parent's destructors or atexit handlers.
+            unsafe { libc::_exit(0) }
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            drop(w);
+            // One line, not to EOF: the new process holds a copy of the pipe until it execs.
+            let mut msg = String::new();
+            let read = std::io::BufRead::read_line(
+                &mut std::io::BufReader::new(std::fs::File::from(r)),
+                &mut msg,
+            );
+            let msg = msg.trim_end().to_string();
+            // The helper is ours to reap; if the SIGCHLD reaper got it first, drop its record.
+            let _ = nix::sys::wait::waitpid(child, None);
+            state
+                .lock()
+                .expect("state")
+                .reaped
+                .unclaimed
+                .remove(&child.as_raw());
+            read.map_err(|e| err("read helper result", e))?;
+            if let Some(p) = msg.strip_prefix('P') {
+                let pid = p
+                    .parse()
+                    .map_err(|_| Status::internal(format!("helper result {msg:?}")))?;
+                return Ok(nix::unistd::Pid::from_raw(pid));
+            }
+            let (code, text) = msg
+                .strip_prefix('E')
+                .and_then(|m| m.split_once(':'))
+                .unwrap_or(("13", "helper died"));
+            Err(Status::new(
+                tonic::Code::from(code.parse::<i32>().unwrap_or(13)),
+                text.to_string(),
+            ))
+        }
+    }
+}
+
 fn devnull() -> Result<std::fs::File, Status> {
     std::fs::File::open("/dev/null").map_err(|e| err("open /dev/null", e))
 }
@@ -177,20 +240,25 @@ impl Monitor for Svc {
         let (out_r, out_w) = pipe()?;
         let (err_r, err_w) = pipe()?;
         let bundle = PathBuf::from(&req.bundle);
-        let container = ContainerBuilder::new(req.id.clone(), SyscallType::default())
-            .with_root_path(self.youki_root())
-            .map_err(|e| lc_err("state root", e))?
-            .with_stdin(devnull()?)
-            .with_stdout(out_w)
-            .with_stderr(err_w)
-            .as_init(&bundle)
-            .with_systemd(false)
-            .with_detach(true)
-            .build()
-            .map_err(|e| lc_err(format!("create container {}", req.id), e))?;
-        let pid = container
-            .pid()
-            .ok_or_else(|| Status::internal("created container has no pid"))?;
+        let bundle_for_helper = bundle.clone();
+        let root = self.youki_root();
+        let id = req.id.clone();
+        let stdin = devnull()?;
+        let pid = in_helper(&self.state, move || {
+            let c = ContainerBuilder::new(id.clone(), SyscallType::default())
+                .with_root_path(root)
+                .map_err(|e| lc_err("state root", e))?
+                .with_stdin(stdin)
+                .with_stdout(out_w)
+                .with_stderr(err_w)
+                .as_init(&bundle_for_helper)
+                .with_systemd(false)
+                .with_detach(true)
+                .build()
+                .map_err(|e| lc_err(format!("create container {id}"), e))?;
+            c.pid()
+                .ok_or_else(|| Status::internal("created container has no pid"))
+        })?;
         pump(out_r, log.clone(), Stream::Stdout)?;
         pump(err_r, log.clone(), Stream::Stderr)?;
         let mut st = self.state.lock().expect("state");
@@ -386,18 +454,25 @@ impl Monitor for Svc {
             .map_err(|e| err("write exec process", e))?;
         let (out_r, out_w) = pipe()?;
         let (err_r, err_w) = pipe()?;
-        let built = ContainerBuilder::new(req.id.clone(), SyscallType::default())
-            .with_root_path(self.youki_root())
-            .map_err(|e| lc_err("state root", e))?
-            .with_stdin(devnull()?)
-            .with_stdout(out_w)
-            .with_stderr(err_w)
-            .as_tenant()
-            .with_process(Some(&pfile))
-            .with_detach(true)
-            .build();
+        let root = self.youki_root();
+        let id = req.id.clone();
+        let stdin = devnull()?;
+        let process = pfile.clone();
+        let built = in_helper(&self.state, move || {
+            ContainerBuilder::new(id.clone(), SyscallType::default())
+                .with_root_path(root)
+                .map_err(|e| lc_err("state root", e))?
+                .with_stdin(stdin)
+                .with_stdout(out_w)
+                .with_stderr(err_w)
+                .as_tenant()
+                .with_process(Some(&process))
+                .with_detach(true)
+                .build()
+                .map_err(|e| lc_err(format!("exec in container {id}"), e))
+        });
         let _ = std::fs::remove_file(&pfile);
-        let pid = built.map_err(|e| lc_err(format!("exec in container {}", req.id), e))?;
+        let pid = built?;
         // Registered before the next await: the reaper cannot run in between.
         let rx = {
             let mut st = self.state.lock().expect("state");
