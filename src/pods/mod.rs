@@ -678,7 +678,7 @@ impl Runtime {
             cgroupfs_path(&pod.spec.cgroup_parent)
         };
         let annotations: BTreeMap<String, String> = req.annotations.clone();
-        Ok(ContainerSpec {
+        let mut cs = ContainerSpec {
             args,
             env,
             cwd,
@@ -715,7 +715,32 @@ impl Runtime {
             masked_paths: sec.masked_paths.clone(),
             readonly_paths: sec.readonly_paths.clone(),
             cap_limit: self.cap_limit.clone(),
-        })
+            seccomp: spec::Seccomp::Unconfined,
+        };
+        let caps = spec::capabilities(&cs);
+        cs.seccomp = match &sec.seccomp {
+            SeccompReq::Unconfined => spec::Seccomp::Unconfined,
+            SeccompReq::RuntimeDefault => spec::Seccomp::RuntimeDefault,
+            SeccompReq::Localhost(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => {
+                        Error::NotFound(format!("seccomp profile {path} of container {}", req.name))
+                    }
+                    _ => Error::InvalidArgument(format!(
+                        "seccomp profile {path} of container {}: {e}",
+                        req.name
+                    )),
+                })?;
+                let json: serde_json::Value = serde_json::from_str(&text)
+                    .map_err(|e| Error::InvalidArgument(format!("seccomp profile {path}: {e}")))?;
+                spec::Seccomp::Profile(
+                    spec::profile_to_oci(&json, &caps).map_err(|e| {
+                        Error::InvalidArgument(format!("seccomp profile {path}: {e}"))
+                    })?,
+                )
+            }
+        };
+        Ok(cs)
     }
 
     fn pod_of(&self, c: &ContainerRecord) -> Result<PodRecord> {

@@ -100,6 +100,15 @@ pub struct MountReq {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub enum SeccompReq {
+    #[default]
+    Unconfined,
+    RuntimeDefault,
+    /// A profile file on the node (docker/Kubernetes JSON format).
+    Localhost(String),
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Security {
     pub privileged: bool,
     pub run_as_user: Option<i64>,
@@ -114,6 +123,7 @@ pub struct Security {
     pub readonly_paths: Option<Vec<String>>,
     pub pid: NsMode,
     pub pid_target: String,
+    pub seccomp: SeccompReq,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -6,7 +6,7 @@ use k8s_cri::v1 as cri;
 
 use crate::pods::{
     ContainerSpecReq, ContainerState, ContainerView, Dns, MountReq, NsMode, PodRecord, PodSpec,
-    PodState, PortMapping, Propagation, Security,
+    PodState, PortMapping, Propagation, SeccompReq, Security,
 };
 use hako_runtime::spec::Resources;
 
@@ -206,7 +206,33 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
             readonly_paths: (!s.readonly_paths.is_empty()).then_some(s.readonly_paths),
             pid: ns_mode(ns.pid),
             pid_target: ns.target_id,
+            // The deprecated path form is still what older kubelets send.
+            #[allow(deprecated)]
+            seccomp: seccomp(s.seccomp.as_ref(), &s.seccomp_profile_path),
         },
+    }
+}
+
+/// The seccomp request: the typed field, else the deprecated path form (`runtime/default`,
+/// `docker/default`, `unconfined`, `localhost/<path>`). No profile at all is unconfined.
+fn seccomp(p: Option<&cri::SecurityProfile>, path: &str) -> SeccompReq {
+    if let Some(p) = p {
+        return match cri::security_profile::ProfileType::try_from(p.profile_type)
+            .unwrap_or(cri::security_profile::ProfileType::RuntimeDefault)
+        {
+            cri::security_profile::ProfileType::RuntimeDefault => SeccompReq::RuntimeDefault,
+            cri::security_profile::ProfileType::Unconfined => SeccompReq::Unconfined,
+            cri::security_profile::ProfileType::Localhost => {
+                SeccompReq::Localhost(p.localhost_ref.clone())
+            }
+        };
+    }
+    match path {
+        "runtime/default" | "docker/default" => SeccompReq::RuntimeDefault,
+        p if p.starts_with("localhost/") => {
+            SeccompReq::Localhost(p["localhost/".len()..].to_string())
+        }
+        _ => SeccompReq::Unconfined,
     }
 }
 

@@ -168,6 +168,52 @@ fn in_helper(
     }
 }
 
+/// Runs exec'd processes under the container's seccomp filter.
+///
+/// libcontainer builds an exec's spec without the container's `linux.seccomp`, so an exec would
+/// escape the filter its container runs under. This executor installs it as the last step
+/// before `execvp`. By then the process holds only the container's capabilities; without
+/// CAP_SYS_ADMIN the kernel accepts a filter only under no_new_privs, which is then set.
+#[derive(Clone)]
+struct ExecUnderSeccomp {
+    seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
+}
+
+impl libcontainer::workload::Executor for ExecUnderSeccomp {
+    fn exec(
+        &self,
+        spec: &oci_spec::runtime::Spec,
+    ) -> Result<(), libcontainer::workload::ExecutorError> {
+        if let Some(filter) = &self.seccomp {
+            // CAP_SYS_ADMIN is bit 21 of the effective set.
+            let has_sys_admin = std::fs::read_to_string("/proc/self/status")
+                .ok()
+                .and_then(|st| {
+                    st.lines()
+                        .find_map(|l| l.strip_prefix("CapEff:"))
+                        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+                })
+                .is_some_and(|eff| eff & (1 << 21) != 0);
+            if !has_sys_admin {
+                let _ = nix::sys::prctl::set_no_new_privs();
+            }
+            libcontainer::seccomp::initialize_seccomp(filter).map_err(|e| {
+                libcontainer::workload::ExecutorError::Other(format!(
+                    "load the container's seccomp filter: {e}"
+                ))
+            })?;
+        }
+        libcontainer::workload::default::DefaultExecutor {}.exec(spec)
+    }
+
+    fn validate(
+        &self,
+        spec: &oci_spec::runtime::Spec,
+    ) -> Result<(), libcontainer::workload::ExecutorValidationError> {
+        libcontainer::workload::default::DefaultExecutor {}.validate(spec)
+    }
+}
+
 fn devnull() -> Result<std::fs::File, Status> {
     std::fs::File::open("/dev/null").map_err(|e| err("open /dev/null", e))
 }
@@ -458,8 +504,13 @@ impl Monitor for Svc {
         let id = req.id.clone();
         let stdin = devnull()?;
         let process = pfile.clone();
+        let seccomp = serde_json::from_value::<oci_spec::runtime::LinuxSeccomp>(
+            spec["linux"]["seccomp"].clone(),
+        )
+        .ok();
         let built = in_helper(&self.state, move || {
             ContainerBuilder::new(id.clone(), SyscallType::default())
+                .with_executor(ExecUnderSeccomp { seccomp })
                 .with_root_path(root)
                 .map_err(|e| lc_err("state root", e))?
                 .with_stdin(stdin)
