@@ -197,7 +197,7 @@ impl Image {
             "os": "linux",
             "config": {
                 "Env": if conf.env.is_empty() { vec!["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string()] } else { conf.env.clone() },
-                "Cmd": if conf.cmd.is_empty() { vec!["sh".to_string()] } else { conf.cmd.clone() },
+                "Cmd": if conf.cmd.is_empty() && conf.entrypoint.is_empty() { vec!["sh".to_string()] } else { conf.cmd.clone() },
             },
             "rootfs": { "type": "layers", "diff_ids": layers.iter().map(|l| l.diff_id.clone()).collect::<Vec<_>>() },
         });

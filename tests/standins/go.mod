@@ -1,0 +1,3 @@
+module hako.test/standins
+
+go 1.21
