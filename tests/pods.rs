@@ -561,3 +561,126 @@ async fn pods_outlive_a_killed_daemon_and_exits_are_reported_after_restart() {
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("stats", logs.path());
+    let pod = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .pod_sandbox_id;
+    // Busy on CPU, 8 MiB written to its own layer.
+    let cmd = [
+        "sh",
+        "-c",
+        "dd if=/dev/zero of=/blob bs=1M count=8 2>/dev/null; while true; do :; done",
+    ];
+    let id = run_container(&mut rt, &pod, &cfg, container_config("busy", &cmd)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let s1 = rt
+        .container_stats(cri::ContainerStatsRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .stats
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let s2 = rt
+        .container_stats(cri::ContainerStatsRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .stats
+        .unwrap();
+    let cpu = |s: &cri::ContainerStats| {
+        s.cpu
+            .as_ref()
+            .unwrap()
+            .usage_core_nano_seconds
+            .as_ref()
+            .unwrap()
+            .value
+    };
+    assert!(cpu(&s1) > 100_000_000, "a busy loop used CPU: {}", cpu(&s1));
+    assert!(cpu(&s2) > cpu(&s1));
+    let cores = s2
+        .cpu
+        .as_ref()
+        .unwrap()
+        .usage_nano_cores
+        .as_ref()
+        .unwrap()
+        .value;
+    assert!(
+        cores > 300_000_000,
+        "close to one core busy: {cores} nanocores"
+    );
+    assert!(
+        s2.memory
+            .as_ref()
+            .unwrap()
+            .usage_bytes
+            .as_ref()
+            .unwrap()
+            .value
+            > 0
+    );
+    let layer = s2.writable_layer.as_ref().unwrap();
+    assert!(
+        layer.used_bytes.as_ref().unwrap().value >= 8 << 20,
+        "{layer:?}"
+    );
+    assert_eq!(
+        s2.attributes
+            .as_ref()
+            .unwrap()
+            .metadata
+            .as_ref()
+            .unwrap()
+            .name,
+        "busy"
+    );
+    let pods = rt
+        .list_pod_sandbox_stats(cri::ListPodSandboxStatsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .stats;
+    let ps = pods
+        .iter()
+        .find(|p| p.attributes.as_ref().unwrap().id == pod)
+        .unwrap();
+    let linux = ps.linux.as_ref().unwrap();
+    assert_eq!(linux.containers.len(), 1);
+    assert!(
+        linux
+            .cpu
+            .as_ref()
+            .unwrap()
+            .usage_core_nano_seconds
+            .as_ref()
+            .unwrap()
+            .value
+            >= cpu(&s1),
+        "the pod cgroup holds the container"
+    );
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod,
+    })
+    .await
+    .unwrap();
+}

@@ -5,3 +5,4 @@
 pub mod logs;
 pub mod monitor;
 pub mod spec;
+pub mod stats;

@@ -79,6 +79,20 @@ pub struct Runtime {
     cap_limit: Vec<String>,
     /// The lowest oom_score_adj a container may get, when restricted (the daemon's own).
     oom_floor: Option<i32>,
+    /// Last CPU reading per container (time, cumulative ns), for usage rates.
+    cpu_samples: std::sync::Mutex<HashMap<String, (i64, u64)>>,
+}
+
+/// Resource usage of a container, as the stats RPCs report it.
+#[derive(Debug, Clone)]
+pub struct Usage {
+    pub timestamp: i64,
+    pub sample: Option<hako_runtime::stats::Sample>,
+    /// CPU use since the previous reading, in nanocores.
+    pub nano_cores: Option<u64>,
+    pub writable_bytes: u64,
+    pub writable_inodes: u64,
+    pub writable_mountpoint: PathBuf,
 }
 
 /// Whether containers must not get a lower oom_score_adj than ours: asked for, or forced
@@ -136,6 +150,63 @@ impl Runtime {
             monitors: std::sync::Mutex::new(HashMap::new()),
             name_locks: tokio::sync::Mutex::new(HashMap::new()),
             cap_limit,
+            cpu_samples: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Usage of a container's or pod's cgroup; `key` names the rate cache entry.
+    fn cgroup_usage(
+        &self,
+        key: &str,
+        cgroups_path: &str,
+    ) -> (i64, Option<hako_runtime::stats::Sample>, Option<u64>) {
+        let now = now_nanos();
+        let sample = match hako_runtime::stats::sample(cgroups_path) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::debug!(cgroup = cgroups_path, error = %e, "no cgroup stats");
+                None
+            }
+        };
+        let mut cache = self.cpu_samples.lock().expect("cpu samples poisoned");
+        let rate = sample.and_then(|s| {
+            let prev = cache.insert(key.to_string(), (now, s.cpu_usage_ns));
+            prev.and_then(|(t, u)| {
+                let dt = (now - t) as f64;
+                (dt > 0.0 && s.cpu_usage_ns >= u)
+                    .then(|| ((s.cpu_usage_ns - u) as f64 * 1e9 / dt) as u64)
+            })
+        });
+        (now, sample, rate)
+    }
+
+    /// Current resource usage of a container.
+    pub fn container_usage(&self, c: &ContainerRecord) -> Usage {
+        let (timestamp, sample, nano_cores) = self.cgroup_usage(&c.id, &c.cgroups_path);
+        let upper = self.layer_dir(&c.id).join("upper");
+        let (writable_bytes, writable_inodes) =
+            crate::image::unpack::disk_usage(&upper).unwrap_or((0, 0));
+        Usage {
+            timestamp,
+            sample,
+            nano_cores,
+            writable_bytes,
+            writable_inodes,
+            writable_mountpoint: self.root_dir.join("containers"),
+        }
+    }
+
+    /// Current resource usage of a pod's cgroup (its containers' parent).
+    pub fn pod_usage(&self, pod: &PodRecord) -> Usage {
+        let (timestamp, sample, nano_cores) =
+            self.cgroup_usage(&format!("pod/{}", pod.id), &pod_cgroup(pod));
+        Usage {
+            timestamp,
+            sample,
+            nano_cores,
+            writable_bytes: 0,
+            writable_inodes: 0,
+            writable_mountpoint: PathBuf::new(),
         }
     }
 
@@ -492,6 +563,7 @@ impl Runtime {
         let root = bundle.join("rootfs");
         rootfs::mount_overlay(&lowers, &layer.join("upper"), &layer.join("work"), &root)?;
         let spec = self.container_spec(&pod, &id, &req, &config, &root)?;
+        let cgroups_path = spec.cgroups_path.clone();
         let oci = spec::generate(&spec).map_err(Error::Internal)?;
         let cfg = bundle.join("config.json");
         oci.save(&cfg)
@@ -526,6 +598,7 @@ impl Runtime {
             started_at: 0,
             exit: None,
             chain_ids: image.chain_ids.clone(),
+            cgroups_path,
         };
         if let Err(e) = self.store.put(Table::Containers, &id, &record) {
             let _ = monitor.delete(&id, true).await;
@@ -952,6 +1025,15 @@ fn apply_state(c: &mut ContainerRecord, s: &pb::ContainerState) -> bool {
         });
     }
     before != (c.state, c.started_at, c.exit.clone())
+}
+
+/// The pod's cgroup: kubelet's parent, or `/hako/<pod id>` when it gives none.
+fn pod_cgroup(pod: &PodRecord) -> String {
+    if pod.spec.cgroup_parent.is_empty() {
+        format!("/hako/{}", pod.id)
+    } else {
+        cgroupfs_path(&pod.spec.cgroup_parent)
+    }
 }
 
 /// A kubelet cgroup parent in systemd form (`kubepods-burstable-pod1.slice`) as a cgroupfs

@@ -181,6 +181,9 @@ pub struct ContainerRecord {
     pub started_at: i64,
     pub exit: Option<ExitInfo>,
     pub chain_ids: Vec<String>,
+    /// The container's cgroup, as in its OCI spec.
+    #[serde(default)]
+    pub cgroups_path: String,
 }
 
 impl ContainerSpecReq {

@@ -331,3 +331,88 @@ pub fn container_item(v: &ContainerView) -> cri::Container {
 pub fn container_state_matches(v: &ContainerView, want: i32) -> bool {
     container_state(v.state) == want
 }
+
+fn u64v(v: u64) -> Option<cri::UInt64Value> {
+    Some(cri::UInt64Value { value: v })
+}
+
+fn cpu_memory(u: &crate::pods::Usage) -> (Option<cri::CpuUsage>, Option<cri::MemoryUsage>) {
+    let Some(s) = u.sample else {
+        return (
+            Some(cri::CpuUsage {
+                timestamp: u.timestamp,
+                ..Default::default()
+            }),
+            Some(cri::MemoryUsage {
+                timestamp: u.timestamp,
+                ..Default::default()
+            }),
+        );
+    };
+    (
+        Some(cri::CpuUsage {
+            timestamp: u.timestamp,
+            usage_core_nano_seconds: u64v(s.cpu_usage_ns),
+            usage_nano_cores: u.nano_cores.and_then(u64v),
+        }),
+        Some(cri::MemoryUsage {
+            timestamp: u.timestamp,
+            working_set_bytes: u64v(s.working_set),
+            available_bytes: None,
+            usage_bytes: u64v(s.memory_usage),
+            rss_bytes: u64v(s.rss),
+            page_faults: u64v(s.page_faults),
+            major_page_faults: u64v(s.major_page_faults),
+        }),
+    )
+}
+
+pub fn container_stats(v: &ContainerView, u: &crate::pods::Usage) -> cri::ContainerStats {
+    let (cpu, memory) = cpu_memory(u);
+    cri::ContainerStats {
+        attributes: Some(cri::ContainerAttributes {
+            id: v.record.id.clone(),
+            metadata: Some(container_metadata(v)),
+            labels: hash(&v.record.spec.labels),
+            annotations: hash(&v.record.spec.annotations),
+        }),
+        cpu,
+        memory,
+        writable_layer: Some(cri::FilesystemUsage {
+            timestamp: u.timestamp,
+            fs_id: Some(cri::FilesystemIdentifier {
+                mountpoint: u.writable_mountpoint.display().to_string(),
+            }),
+            used_bytes: u64v(u.writable_bytes),
+            inodes_used: u64v(u.writable_inodes),
+        }),
+        swap: None,
+    }
+}
+
+pub fn pod_stats(
+    p: &PodRecord,
+    u: &crate::pods::Usage,
+    containers: Vec<cri::ContainerStats>,
+) -> cri::PodSandboxStats {
+    let (cpu, memory) = cpu_memory(u);
+    cri::PodSandboxStats {
+        attributes: Some(cri::PodSandboxAttributes {
+            id: p.id.clone(),
+            metadata: Some(pod_metadata(&p.spec)),
+            labels: hash(&p.spec.labels),
+            annotations: hash(&p.spec.annotations),
+        }),
+        linux: Some(cri::LinuxPodSandboxStats {
+            cpu,
+            memory,
+            network: None,
+            process: u.sample.map(|s| cri::ProcessUsage {
+                timestamp: u.timestamp,
+                process_count: u64v(s.pids),
+            }),
+            containers,
+        }),
+        windows: None,
+    }
+}

@@ -16,6 +16,20 @@ pub struct Runtime {
     pub(super) daemon: Arc<Daemon>,
 }
 
+impl Runtime {
+    async fn pod_stats(&self, pod: &crate::pods::PodRecord) -> Result<cri::PodSandboxStats, Error> {
+        let rt = &self.daemon.runtime;
+        let containers = rt
+            .containers()
+            .await?
+            .iter()
+            .filter(|c| c.record.pod_id == pod.id)
+            .map(|c| convert::container_stats(c, &rt.container_usage(&c.record)))
+            .collect();
+        Ok(convert::pod_stats(pod, &rt.pod_usage(pod), containers))
+    }
+}
+
 type EventStream =
     Pin<Box<dyn futures::Stream<Item = Result<cri::ContainerEventResponse, Status>> + Send>>;
 
@@ -153,19 +167,84 @@ impl RuntimeService for Runtime {
 
     async fn list_container_stats(
         &self,
-        _: Request<cri::ListContainerStatsRequest>,
+        req: Request<cri::ListContainerStatsRequest>,
     ) -> Result<Response<cri::ListContainerStatsResponse>, Status> {
-        Ok(Response::new(cri::ListContainerStatsResponse {
-            stats: vec![],
+        let f = req.into_inner().filter.unwrap_or_default();
+        let rt = &self.daemon.runtime;
+        let all = rt
+            .containers()
+            .await
+            .map_err(|e| status("ListContainerStats", e))?;
+        let stats = all
+            .iter()
+            .filter(|c| f.id.is_empty() || c.record.id.starts_with(&f.id))
+            .filter(|c| {
+                f.pod_sandbox_id.is_empty() || c.record.pod_id.starts_with(&f.pod_sandbox_id)
+            })
+            .filter(|c| convert::labels_match(&c.record.spec.labels, &f.label_selector))
+            .map(|c| convert::container_stats(c, &rt.container_usage(&c.record)))
+            .collect();
+        Ok(Response::new(cri::ListContainerStatsResponse { stats }))
+    }
+
+    async fn container_stats(
+        &self,
+        req: Request<cri::ContainerStatsRequest>,
+    ) -> Result<Response<cri::ContainerStatsResponse>, Status> {
+        let id = req.into_inner().container_id;
+        let rt = &self.daemon.runtime;
+        let v = rt
+            .container(&id)
+            .await
+            .map_err(|e| status("ContainerStats", e))?;
+        let stats = convert::container_stats(&v, &rt.container_usage(&v.record));
+        Ok(Response::new(cri::ContainerStatsResponse {
+            stats: Some(stats),
         }))
     }
 
     async fn list_pod_sandbox_stats(
         &self,
-        _: Request<cri::ListPodSandboxStatsRequest>,
+        req: Request<cri::ListPodSandboxStatsRequest>,
     ) -> Result<Response<cri::ListPodSandboxStatsResponse>, Status> {
-        Ok(Response::new(cri::ListPodSandboxStatsResponse {
-            stats: vec![],
+        let f = req.into_inner().filter.unwrap_or_default();
+        let mut stats = Vec::new();
+        for p in self
+            .daemon
+            .runtime
+            .pods()
+            .map_err(|e| status("ListPodSandboxStats", e))?
+        {
+            if (!f.id.is_empty() && !p.id.starts_with(&f.id))
+                || !convert::labels_match(&p.spec.labels, &f.label_selector)
+            {
+                continue;
+            }
+            stats.push(
+                self.pod_stats(&p)
+                    .await
+                    .map_err(|e| status("ListPodSandboxStats", e))?,
+            );
+        }
+        Ok(Response::new(cri::ListPodSandboxStatsResponse { stats }))
+    }
+
+    async fn pod_sandbox_stats(
+        &self,
+        req: Request<cri::PodSandboxStatsRequest>,
+    ) -> Result<Response<cri::PodSandboxStatsResponse>, Status> {
+        let id = req.into_inner().pod_sandbox_id;
+        let pod = self
+            .daemon
+            .runtime
+            .pod(&id)
+            .map_err(|e| status("PodSandboxStats", e))?;
+        let stats = self
+            .pod_stats(&pod)
+            .await
+            .map_err(|e| status("PodSandboxStats", e))?;
+        Ok(Response::new(cri::PodSandboxStatsResponse {
+            stats: Some(stats),
         }))
     }
 
@@ -416,20 +495,6 @@ impl RuntimeService for Runtime {
         _: Request<cri::PortForwardRequest>,
     ) -> Result<Response<cri::PortForwardResponse>, Status> {
         unimplemented("PortForward")
-    }
-
-    async fn container_stats(
-        &self,
-        _: Request<cri::ContainerStatsRequest>,
-    ) -> Result<Response<cri::ContainerStatsResponse>, Status> {
-        unimplemented("ContainerStats")
-    }
-
-    async fn pod_sandbox_stats(
-        &self,
-        _: Request<cri::PodSandboxStatsRequest>,
-    ) -> Result<Response<cri::PodSandboxStatsResponse>, Status> {
-        unimplemented("PodSandboxStats")
     }
 
     async fn checkpoint_container(

@@ -1,0 +1,45 @@
+//! Resource usage of a container's cgroup (cgroup v1, hybrid and v2 through libcgroups).
+
+use std::path::PathBuf;
+
+use libcgroups::common::{create_cgroup_manager, CgroupConfig, CgroupManager};
+
+/// One reading of a cgroup.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Sample {
+    /// Cumulative CPU time, nanoseconds.
+    pub cpu_usage_ns: u64,
+    pub memory_usage: u64,
+    /// Usage minus inactive file cache: what the kubelet's eviction looks at.
+    pub working_set: u64,
+    pub rss: u64,
+    pub page_faults: u64,
+    pub major_page_faults: u64,
+    pub pids: u64,
+}
+
+/// Reads the cgroup at `cgroups_path` (as in the OCI spec, e.g. `/kubepods/pod1/hako-<id>`).
+pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
+    let cm = create_cgroup_manager(CgroupConfig {
+        cgroup_path: PathBuf::from(cgroups_path),
+        systemd_cgroup: false,
+        container_name: String::new(),
+    })
+    .map_err(|e| format!("cgroup {cgroups_path}: {e}"))?;
+    let st = cm
+        .stats()
+        .map_err(|e| format!("stats of cgroup {cgroups_path}: {e}"))?;
+    let m = &st.memory.stats;
+    // v1 names its hierarchical counters total_*; v2 has one set.
+    let get = |v1: &str, v2: &str| m.get(v1).or_else(|| m.get(v2)).copied().unwrap_or(0);
+    let usage = st.memory.memory.usage;
+    Ok(Sample {
+        cpu_usage_ns: st.cpu.usage.usage_total,
+        memory_usage: usage,
+        working_set: usage.saturating_sub(get("total_inactive_file", "inactive_file")),
+        rss: get("total_rss", "anon"),
+        page_faults: get("total_pgfault", "pgfault"),
+        major_page_faults: get("total_pgmajfault", "pgmajfault"),
+        pids: st.pids.current,
+    })
+}
