@@ -62,6 +62,7 @@ impl Daemon {
             &config.root,
             config.runtime.restrict_oom_score_adj,
         );
+        runtime.reconcile().await?;
         Ok(Daemon {
             config,
             images,

@@ -684,3 +684,141 @@ async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
     .await
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_monitor_is_detected_and_its_pod_reported() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("doomed", logs.path());
+    let pod = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .pod_sandbox_id;
+    let done = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("done", &["sh", "-c", "exit 4"]),
+    )
+    .await;
+    let running = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("running", &["sleep", "301"]),
+    )
+    .await;
+    wait_exited(&mut rt, &done).await;
+    let info = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let monitor = v["monitorPid"].as_i64().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(monitor),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // The next relist notices.
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    let state = |id: &str| listed.iter().find(|c| c.id == id).unwrap().state;
+    assert_eq!(
+        state(&done),
+        cri::ContainerState::ContainerExited as i32,
+        "its recorded exit is kept"
+    );
+    assert_eq!(
+        state(&running),
+        cri::ContainerState::ContainerUnknown as i32
+    );
+    let st = rt
+        .container_status(cri::ContainerStatusRequest {
+            container_id: done.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(st.exit_code, 4);
+    let p = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(p.state, cri::PodSandboxState::SandboxNotready as i32);
+    assert!(h.log_text().contains("pod monitor is gone"), "logged");
+    // The orphaned container process was ended; the pod can still be removed cleanly.
+    let sleepers = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == b"sleep\x00301\x00"))
+            .count()
+    };
+    for _ in 0..100 {
+        if sleepers() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(sleepers(), 0, "the unwatched container process was killed");
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    assert_no_leaks(&h, &pod);
+}
+
+/// Nothing of a removed pod is left: mounts under the daemon's dirs, pod and container state
+/// files, the pod's cgroups, its monitor.
+fn assert_no_leaks(h: &Hako, pod: &str) {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(&h.dir.path().display().to_string()),
+        "leaked mounts:\n{mounts}"
+    );
+    for d in ["state/pods", "state/containers", "root/containers"] {
+        let left = Hako::files_under(&h.dir.path().join(d));
+        assert!(left.is_empty(), "{d} left: {left:?}");
+    }
+    for ctrl in std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten() {
+        let cg = ctrl.path().join("hako").join(pod);
+        assert!(!cg.exists(), "cgroup left: {}", cg.display());
+    }
+    let monitors = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(pod))
+        })
+        .count();
+    assert_eq!(monitors, 0, "a process of pod {pod} is left");
+}

@@ -476,9 +476,97 @@ impl Runtime {
                 return Err(Error::io("remove", &dir, e));
             }
         }
+        if pod.spec.cgroup_parent.is_empty() {
+            // Ours (kubelet's parents are kubelet's): empty once the containers are deleted.
+            if !remove_cgroup(&pod_cgroup(&pod)) {
+                tracing::warn!(pod = %pod.id, cgroup = %pod_cgroup(&pod), "pod cgroup not empty; left in place");
+            }
+        }
         self.store.delete(Table::Pods, &pod.id)?;
         self.store.release(&pod.spec.reservation())?;
         tracing::info!(pod = %pod.id, "pod sandbox removed");
+        Ok(())
+    }
+
+    /// After a failed call to a pod's monitor: if the monitor process is gone, the pod is
+    /// reported NotReady, its containers Exited with the exit their monitor recorded, or
+    /// Unknown when it recorded none, and what the monitor held is released. Logged, never
+    /// silent. A monitor that is alive but did not answer is left alone.
+    fn check_monitor(&self, pod: &PodRecord, err: &Error) -> Result<()> {
+        if monitor_alive(pod.monitor_pid) {
+            tracing::warn!(pod = %pod.id, error = %chain(err), "pod monitor did not answer");
+            return Ok(());
+        }
+        tracing::error!(pod = %pod.id, name = %pod.spec.name, monitor_pid = pod.monitor_pid, error = %chain(err), "pod monitor is gone: pod marked not ready");
+        self.monitor_lost(pod)
+    }
+
+    fn monitor_lost(&self, pod: &PodRecord) -> Result<()> {
+        let dir = self.pod_dir(&pod.id);
+        for mut c in self.containers_of(&pod.id)? {
+            if c.state == ContainerState::Exited {
+                continue;
+            }
+            let recorded = std::fs::read(dir.join("containers").join(&c.id).join("exit.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<hako_runtime::monitor::Exit>(&b).ok());
+            match recorded {
+                Some(e) => {
+                    c.state = ContainerState::Exited;
+                    c.exit = Some(ExitInfo {
+                        code: e.code,
+                        signal: e.signal,
+                        finished_at: e.finished_at,
+                        oom_killed: e.oom_killed,
+                    });
+                }
+                None => {
+                    // Orphaned processes would run on unwatched: end them.
+                    kill_cgroup(&c.cgroups_path);
+                    c.state = ContainerState::Unknown;
+                }
+            }
+            self.store.put(Table::Containers, &c.id, &c)?;
+            let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
+        }
+        // The infra process outlives its monitor (it was reparented): it still carries the
+        // monitor's command line, which names the pod.
+        let needle = format!("\"pod_id\":\"{}\"", pod.id);
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            if std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+            {
+                tracing::warn!(pod = %pod.id, pid, "killing the pod's orphaned infra process");
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        hako_runtime::monitor::unpin_namespaces(&dir);
+        let mut pod = pod.clone();
+        pod.state = PodState::NotReady;
+        self.monitors
+            .lock()
+            .expect("monitors poisoned")
+            .remove(&pod.id);
+        self.store.put(Table::Pods, &pod.id, &pod)
+    }
+
+    /// At start: pods whose monitor died while the daemon was down are reported as such.
+    pub async fn reconcile(&self) -> Result<()> {
+        for pod in self
+            .pods()?
+            .into_iter()
+            .filter(|p| p.state == PodState::Ready)
+        {
+            if let Err(e) = self.monitor(&pod).info().await {
+                self.check_monitor(&pod, &e)?;
+            }
+        }
         Ok(())
     }
 
@@ -881,9 +969,20 @@ impl Runtime {
             Err(Error::NotFound(_)) => return Ok(()),
             Err(e) => return Err(e),
         };
-        if let Ok(pod) = self.pod_of(&c) {
-            if pod.state == PodState::Ready {
-                self.monitor(&pod).delete(&c.id, true).await?;
+        match self.pod_of(&c) {
+            Ok(pod) if pod.state == PodState::Ready => {
+                self.monitor(&pod).delete(&c.id, true).await?
+            }
+            // No monitor to delete it (stopped pod, or a monitor that died): its cgroup is ours
+            // to clear. A dying process leaves its cgroup a moment later.
+            _ => {
+                for _ in 0..50 {
+                    kill_cgroup(&c.cgroups_path);
+                    if remove_cgroup(&c.cgroups_path) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
             }
         }
         let bundle = self.bundle_dir(&c.id);
@@ -929,17 +1028,19 @@ impl Runtime {
 
     /// Every container, states refreshed with one call per running pod.
     pub async fn containers(&self) -> Result<Vec<ContainerView>> {
-        let mut recs: Vec<ContainerRecord> = self.store.all(Table::Containers)?;
         let mut live: HashMap<String, pb::ContainerState> = HashMap::new();
         for pod in self
             .pods()?
             .into_iter()
             .filter(|p| p.state == PodState::Ready)
         {
-            if let Ok(info) = self.monitor(&pod).info().await {
-                live.extend(info.containers.into_iter().map(|s| (s.id.clone(), s)));
+            match self.monitor(&pod).info().await {
+                Ok(info) => live.extend(info.containers.into_iter().map(|s| (s.id.clone(), s))),
+                Err(e) => self.check_monitor(&pod, &e)?,
             }
         }
+        // Read after the monitors: a monitor found gone has updated its containers' records.
+        let mut recs: Vec<ContainerRecord> = self.store.all(Table::Containers)?;
         for c in recs.iter_mut() {
             if let Some(s) = live.get(&c.id) {
                 if apply_state(c, s) {
@@ -1002,6 +1103,50 @@ impl Runtime {
         }
         self.monitor(&pod).reopen_log(&c.id).await
     }
+}
+
+/// Whether `pid` is still a hako pod monitor (not a reused pid).
+fn monitor_alive(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"monitor"))
+}
+
+/// SIGKILLs every process in a container's cgroup (v1 controllers or v2).
+fn kill_cgroup(cgroups_path: &str) {
+    let rel = cgroups_path.trim_start_matches('/');
+    for base in [
+        "/sys/fs/cgroup/pids",
+        "/sys/fs/cgroup/memory",
+        "/sys/fs/cgroup/unified",
+        "/sys/fs/cgroup",
+    ] {
+        if let Ok(procs) = std::fs::read_to_string(Path::new(base).join(rel).join("cgroup.procs")) {
+            for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+/// Removes an empty cgroup from every hierarchy it exists in; true when none is left.
+fn remove_cgroup(cgroups_path: &str) -> bool {
+    let rel = cgroups_path.trim_start_matches('/');
+    let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return true;
+    };
+    let mut bases: Vec<PathBuf> = hierarchies.flatten().map(|e| e.path()).collect();
+    bases.push(PathBuf::from("/sys/fs/cgroup"));
+    let mut all_gone = true;
+    for base in bases {
+        let p = base.join(rel);
+        if p.is_dir() && std::fs::remove_dir(&p).is_err() {
+            all_gone = false;
+        }
+    }
+    all_gone
 }
 
 /// Folds a monitor state into a record; true when something changed.

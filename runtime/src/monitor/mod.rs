@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::logs::LogWriter;
 
-pub use infra::NamespaceSet;
+pub use infra::{unpin as unpin_namespaces, NamespaceSet};
 
 /// How the daemon starts a monitor (as arguments of `hako monitor`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
