@@ -5,18 +5,18 @@
 //! `cargo bench --bench pull` (as root; needs docker-registry and containerd).
 //! `HAKO_BENCH_ROUNDS` sets the number of pulls per runtime (default 5).
 
+mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
 
+use common::{client, start_containerd, start_hako};
 use k8s_cri::v1 as cri;
-use k8s_cri::v1::image_service_client::ImageServiceClient;
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher, Tar};
 use support::registry::Registry;
-use tonic::transport::Channel;
 
 /// Deterministic data that gzip shrinks to about half, like binaries and libraries do.
 fn half_compressible(len: usize, seed: u64) -> Vec<u8> {
@@ -60,148 +60,6 @@ fn bench_image() -> Image {
     Image::new(layers, &ImageConf::default(), false)
 }
 
-struct Runtime {
-    name: &'static str,
-    socket: PathBuf,
-    child: Child,
-    root: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Runtime {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-        // containerd leaves overlay mounts of its snapshots only for containers; none here.
-    }
-}
-
-fn wait_socket(p: &Path, child: &mut Child, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while std::os::unix::net::UnixStream::connect(p).is_err() {
-        if let Some(s) = child.try_wait().unwrap() {
-            panic!("{what} exited: {s}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what} did not listen on {}",
-            p.display()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn certs_d(dir: &Path, registry: &str) -> PathBuf {
-    let d = dir.join("certs.d");
-    std::fs::create_dir_all(d.join(registry)).unwrap();
-    std::fs::write(
-        d.join(registry).join("hosts.toml"),
-        format!("server = \"http://{registry}\"\n"),
-    )
-    .unwrap();
-    d
-}
-
-fn start_hako(registry: &str) -> Runtime {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let socket = dir.path().join("hako.sock");
-    let root = dir.path().join("root");
-    let certs = certs_d(dir.path(), registry);
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n[registry]\nconfig_path = \"{}\"\n",
-            socket.display(),
-            root.display(),
-            dir.path().join("state").display(),
-            certs.display()
-        ),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hako"))
-        .args(["serve", "--config"])
-        .arg(&cfg)
-        .env("HAKO_LOG", "warn")
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    wait_socket(&socket, &mut child, "hako");
-    Runtime {
-        name: "hako",
-        socket,
-        child,
-        root,
-        _dir: dir,
-    }
-}
-
-fn start_containerd(registry: &str) -> Runtime {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
-    let socket = dir.path().join("containerd.sock");
-    let root = dir.path().join("root");
-    let certs = certs_d(dir.path(), registry);
-    let cfg = dir.path().join("config.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            r#"version = 2
-root = "{root}"
-state = "{state}"
-[grpc]
-  address = "{sock}"
-[ttrpc]
-  address = "{sock}.ttrpc"
-[plugins."io.containerd.grpc.v1.cri"]
-  restrict_oom_score_adj = true
-  [plugins."io.containerd.grpc.v1.cri".registry]
-    config_path = "{certs}"
-"#,
-            root = root.display(),
-            state = dir.path().join("state").display(),
-            sock = socket.display(),
-            certs = certs.display()
-        ),
-    )
-    .unwrap();
-    let log = std::fs::File::create(dir.path().join("containerd.log")).unwrap();
-    let mut child = Command::new("containerd")
-        .arg("--config")
-        .arg(&cfg)
-        .stdout(Stdio::from(log.try_clone().unwrap()))
-        .stderr(Stdio::from(log))
-        .spawn()
-        .unwrap();
-    wait_socket(&socket, &mut child, "containerd");
-    Runtime {
-        name: "containerd 1.6",
-        socket,
-        child,
-        root,
-        _dir: dir,
-    }
-}
-
-async fn client(socket: &Path) -> ImageServiceClient<Channel> {
-    let path = socket.to_path_buf();
-    let ch = tonic::transport::Endpoint::try_from("http://[::]:50051")
-        .unwrap()
-        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-            let path = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(path).await?,
-                ))
-            }
-        }))
-        .await
-        .unwrap();
-    ImageServiceClient::new(ch).max_decoding_message_size(64 << 20)
-}
-
 fn du(p: &Path) -> u64 {
     let out = Command::new("du").args(["-sb"]).arg(p).output().unwrap();
     String::from_utf8_lossy(&out.stdout)
@@ -239,12 +97,17 @@ fn main() {
             t.elapsed().as_secs_f64()
         );
         let name = format!("{}/bench/big:1", reg.addr);
-        let runtimes = [start_hako(&reg.addr), start_containerd(&reg.addr)];
+        let certs =
+            common::certs_for(&[(&reg.addr, &format!("server = \"http://{}\"\n", reg.addr))]);
+        let runtimes = [
+            start_hako(certs.path(), "warn"),
+            start_containerd(certs.path(), None),
+        ];
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); runtimes.len()];
         let mut disk = vec![0u64; runtimes.len()];
         for round in 0..rounds {
             for (i, r) in runtimes.iter().enumerate() {
-                let mut c = client(&r.socket).await;
+                let mut c = client(&r.socket).await.images;
                 let _ = c
                     .remove_image(cri::RemoveImageRequest {
                         image: Some(cri::ImageSpec {

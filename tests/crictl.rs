@@ -154,3 +154,117 @@ async fn crictl_image_commands() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crictl_pod_and_container_commands() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "crictl"]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = Image::new(
+        vec![Layer::new(
+            &oci::busybox_base_tar(),
+            Compression::Gzip,
+            false,
+        )],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("ops/busybox", "1", &img).await;
+    let h = Hako::start("");
+    let c = Crictl {
+        bin: support::which("crictl").unwrap(),
+        hako: &h,
+    };
+    let image = format!("{}/ops/busybox:1", reg.addr);
+    c.ok(&["pull", &image]);
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let pod_json = dir.path().join("pod.json");
+    std::fs::write(
+        &pod_json,
+        serde_json::json!({
+            "metadata": {"name": "ops-pod", "namespace": "default", "uid": "ops-uid", "attempt": 0},
+            "hostname": "ops-host",
+            "log_directory": logs,
+            "labels": {"team": "ops"},
+            "linux": {}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let ctr_json = dir.path().join("ctr.json");
+    std::fs::write(
+        &ctr_json,
+        serde_json::json!({
+            "metadata": {"name": "greeter"},
+            "image": {"image": image},
+            "command": ["sh", "-c", "echo hello from $(hostname); sleep 300"],
+            "log_path": "greeter.log",
+            "linux": {}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let pod = c
+        .ok(&["runp", pod_json.to_str().unwrap()])
+        .trim()
+        .to_string();
+    assert_eq!(pod.len(), 64, "{pod}");
+    let pods = c.ok(&["pods"]);
+    assert!(
+        pods.lines()
+            .any(|l| l.contains(&pod[..13]) && l.contains("Ready") && l.contains("ops-pod")),
+        "{pods}"
+    );
+    let inspectp: serde_json::Value = serde_json::from_str(&c.ok(&["inspectp", &pod])).unwrap();
+    assert_eq!(inspectp["status"]["state"], "SANDBOX_READY");
+    assert_eq!(inspectp["status"]["metadata"]["name"], "ops-pod");
+
+    let ctr = c
+        .ok(&[
+            "create",
+            &pod,
+            ctr_json.to_str().unwrap(),
+            pod_json.to_str().unwrap(),
+        ])
+        .trim()
+        .to_string();
+    c.ok(&["start", &ctr]);
+    let ps = c.ok(&["ps"]);
+    assert!(
+        ps.lines()
+            .any(|l| l.contains(&ctr[..13]) && l.contains("Running") && l.contains("greeter")),
+        "{ps}"
+    );
+    let mut out = String::new();
+    for _ in 0..100 {
+        out = c.ok(&["logs", &ctr]);
+        if out.contains("hello") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(out.trim(), "hello from ops-host");
+    let inspect: serde_json::Value = serde_json::from_str(&c.ok(&["inspect", &ctr])).unwrap();
+    assert_eq!(inspect["status"]["state"], "CONTAINER_RUNNING");
+    assert_eq!(
+        inspect["status"]["logPath"],
+        logs.join("greeter.log").display().to_string()
+    );
+
+    c.ok(&["stop", "--timeout", "1", &ctr]);
+    let inspect: serde_json::Value = serde_json::from_str(&c.ok(&["inspect", &ctr])).unwrap();
+    assert_eq!(inspect["status"]["state"], "CONTAINER_EXITED");
+    assert_eq!(inspect["status"]["exitCode"], 143, "{inspect}");
+    let ps = c.ok(&["ps", "-a"]);
+    assert!(ps.contains("Exited"), "{ps}");
+    c.ok(&["rm", &ctr]);
+    assert!(!c.ok(&["ps", "-a"]).contains(&ctr[..13]));
+    c.ok(&["stopp", &pod]);
+    assert!(c.ok(&["pods"]).contains("NotReady"));
+    c.ok(&["rmp", &pod]);
+    assert!(!c.ok(&["pods"]).contains(&pod[..13]));
+    let (ok, _, err) = c.run(&["inspectp", &pod]);
+    assert!(!ok && err.contains("NotFound"), "{err}");
+}

@@ -15,6 +15,10 @@ const IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
 
 /// A hako with the busybox stand-in pulled (served through a hosts.toml mirror).
 async fn ready() -> Option<(Registry, Hako)> {
+    ready_with_state("state").await
+}
+
+async fn ready_with_state(state: &str) -> Option<(Registry, Hako)> {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
         return None;
     }
@@ -31,7 +35,7 @@ async fn ready() -> Option<(Registry, Hako)> {
     Pusher::new(&reg.addr)
         .push("e2e-test-images/busybox", "1.29-2", &img)
         .await;
-    let h = Hako::start("");
+    let h = Hako::start_with_state("", state);
     h.hosts_toml(
         "registry.k8s.io",
         &support::standins::hosts_toml("registry.k8s.io", &reg.addr),
@@ -778,7 +782,9 @@ async fn a_dead_monitor_is_detected_and_its_pod_reported() {
         std::fs::read_dir("/proc")
             .unwrap()
             .flatten()
-            .filter(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == b"sleep\x00301\x00"))
+            .filter(|e| {
+                std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == b"sleep\x00301\x00")
+            })
             .count()
     };
     for _ in 0..100 {
@@ -821,4 +827,43 @@ fn assert_no_leaks(h: &Hako, pod: &str) {
         })
         .count();
     assert_eq!(monitors, 0, "a process of pod {pod} is left");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deep_state_dir_does_not_overflow_socket_paths() {
+    // <state>/pods/<64 hex>/monitor.sock exceeds sun_path's 108 bytes here.
+    let deep = "state/a-rather-long-directory-name-for-the-state/and-another-level";
+    let Some((_reg, h)) = ready_with_state(deep).await else {
+        return;
+    };
+    assert!(
+        h.dir
+            .path()
+            .join(deep)
+            .join("pods")
+            .join("x".repeat(64))
+            .join("monitor.sock")
+            .as_os_str()
+            .len()
+            > 108
+    );
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("deep", logs.path());
+    let pod = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .pod_sandbox_id;
+    let id = run_container(&mut rt, &pod, &cfg, container_config("c", &["sleep", "60"])).await;
+    assert_eq!(exec(&mut rt, &id, "echo ok").await, "ok");
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod,
+    })
+    .await
+    .unwrap();
 }

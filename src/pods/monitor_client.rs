@@ -130,8 +130,10 @@ impl MonitorClient {
                     .connect_with_connector(tower::service_fn(move |_: Uri| {
                         let path = path.clone();
                         async move {
+                            // Deep state dirs make the full path too long for sun_path.
+                            let (_dir, short) = hako_runtime::monitor::short_socket_path(&path)?;
                             Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                                tokio::net::UnixStream::connect(path).await?,
+                                tokio::net::UnixStream::connect(short).await?,
                             ))
                         }
                     }))

@@ -21,6 +21,12 @@ pub struct Hako {
 impl Hako {
     /// Starts hako with `extra` appended to its config file (TOML).
     pub fn start(extra: &str) -> Hako {
+        Self::start_with_state(extra, "state")
+    }
+
+    /// As `start`, with the state dir at `state` under the temp dir (deep paths test socket
+    /// path limits).
+    pub fn start_with_state(extra: &str, state: &str) -> Hako {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("root");
         let certs_d = dir.path().join("certs.d");
@@ -33,7 +39,7 @@ impl Hako {
                 "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n{extra}\n[registry]\nconfig_path = \"{}\"\n",
                 socket.display(),
                 root.display(),
-                dir.path().join("state").display(),
+                dir.path().join(state).display(),
                 certs_d.display()
             ),
         )

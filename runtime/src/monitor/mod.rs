@@ -243,6 +243,17 @@ fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>), 
     Ok((Arc::new(Mutex::new(state)), rx))
 }
 
+/// A socket path that fits in `sun_path` (108 bytes) however deep the state dir is: the
+/// socket's directory opened and named through `/proc/self/fd/<n>/`. Keep the returned
+/// directory open while the path is used.
+pub fn short_socket_path(socket: &Path) -> std::io::Result<(std::fs::File, PathBuf)> {
+    use std::os::fd::AsRawFd;
+    let dir = std::fs::File::open(socket.parent().unwrap_or(Path::new("/")))?;
+    let name = socket.file_name().unwrap_or_default();
+    let short = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd())).join(name);
+    Ok((dir, short))
+}
+
 /// The fd number the daemon passes the readiness pipe on.
 pub const READY_FD: i32 = 3;
 

@@ -613,7 +613,9 @@ pub(crate) async fn serve(
     use tokio::signal::unix::{signal, SignalKind};
     let sock = state.lock().expect("state").opts.socket();
     let _ = std::fs::remove_file(&sock);
-    let listener = tokio::net::UnixListener::bind(&sock)
+    let (_dir, short) =
+        super::short_socket_path(&sock).map_err(|e| format!("open {}: {e}", sock.display()))?;
+    let listener = tokio::net::UnixListener::bind(&short)
         .map_err(|e| format!("bind {}: {e}", sock.display()))?;
     let mut sigchld = signal(SignalKind::child()).map_err(|e| format!("SIGCHLD handler: {e}"))?;
     let mut sigterm =

@@ -1,0 +1,164 @@
+//! Starting hako and Debian's containerd side by side for benchmarks, each in its own temp
+//! dirs, and CRI clients to both.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use k8s_cri::v1::image_service_client::ImageServiceClient;
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use tonic::transport::Channel;
+
+pub struct Runtime {
+    pub name: &'static str,
+    pub socket: PathBuf,
+    pub child: Child,
+    pub root: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+pub fn wait_socket(p: &Path, child: &mut Child, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(p).is_err() {
+        if let Some(s) = child.try_wait().unwrap() {
+            panic!("{what} exited: {s}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not listen on {}",
+            p.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A certs.d directory with `hosts.toml` files: (registry, contents).
+pub fn certs_for(hosts: &[(&str, &str)]) -> tempfile::TempDir {
+    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    for (registry, text) in hosts {
+        std::fs::create_dir_all(d.path().join(registry)).unwrap();
+        std::fs::write(d.path().join(registry).join("hosts.toml"), text).unwrap();
+    }
+    d
+}
+
+pub fn start_hako(certs: &Path, log: &str) -> Runtime {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let socket = dir.path().join("hako.sock");
+    let root = dir.path().join("root");
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n[registry]\nconfig_path = \"{}\"\n",
+            socket.display(),
+            root.display(),
+            dir.path().join("state").display(),
+            certs.display()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hako"))
+        .args(["serve", "--config"])
+        .arg(&cfg)
+        .env("HAKO_LOG", log)
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    wait_socket(&socket, &mut child, "hako");
+    Runtime {
+        name: "hako",
+        socket,
+        child,
+        root,
+        dir,
+    }
+}
+
+/// containerd 1.6 with its CRI plugin; `cni_conf` gives pods a network config (else pods
+/// cannot start, only images are usable).
+pub fn start_containerd(certs: &Path, cni_conf: Option<&Path>) -> Runtime {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let socket = dir.path().join("containerd.sock");
+    let root = dir.path().join("root");
+    let cfg = dir.path().join("config.toml");
+    let cni = match cni_conf {
+        Some(c) => format!("  [plugins.\"io.containerd.grpc.v1.cri\".cni]\n    bin_dir = \"/usr/lib/cni\"\n    conf_dir = \"{}\"\n", c.display()),
+        None => String::new(),
+    };
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"version = 2
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+[plugins."io.containerd.grpc.v1.cri"]
+  restrict_oom_score_adj = true
+  sandbox_image = "registry.k8s.io/pause:3.6"
+{cni}  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = "{certs}"
+"#,
+            root = root.display(),
+            state = dir.path().join("state").display(),
+            sock = socket.display(),
+            certs = certs.display()
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.path().join("containerd.log")).unwrap();
+    let mut child = Command::new("containerd")
+        .arg("--config")
+        .arg(&cfg)
+        .stdout(Stdio::from(log.try_clone().unwrap()))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap();
+    wait_socket(&socket, &mut child, "containerd");
+    Runtime {
+        name: "containerd 1.6",
+        socket,
+        child,
+        root,
+        dir,
+    }
+}
+
+pub struct Clients {
+    pub runtime: RuntimeServiceClient<Channel>,
+    pub images: ImageServiceClient<Channel>,
+}
+
+pub async fn client(socket: &Path) -> Clients {
+    let path = socket.to_path_buf();
+    let ch = tonic::transport::Endpoint::try_from("http://[::]:50051")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+        .unwrap();
+    Clients {
+        runtime: RuntimeServiceClient::new(ch.clone()).max_decoding_message_size(64 << 20),
+        images: ImageServiceClient::new(ch).max_decoding_message_size(64 << 20),
+    }
+}
