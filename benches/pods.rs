@@ -3,9 +3,9 @@
 //!
 //! For each of `HAKO_BENCH_PODS` rounds (default 50), per runtime: RunPodSandbox,
 //! CreateContainer, StartContainer, ExecSync, StopContainer, StopPodSandbox (then an untimed
-//! RemovePodSandbox). Pods have their own network namespace with loopback only (containerd
-//! through the CNI loopback plugin, hako without CNI). Then 20 idle pods each, and the PSS of
-//! the runtime's own processes.
+//! RemovePodSandbox). Pods use the host network (containerd cannot run pod networks without a
+//! CNI result carrying an IP; hako has no CNI yet); IPC, UTS and the rest are the pod's own.
+//! Then 20 idle pods each, and the PSS of the runtime's own processes.
 //!
 //! `cargo bench --bench pods` (as root; needs docker-registry, containerd, runc, Go).
 
@@ -39,10 +39,18 @@ fn pod_config(name: &str) -> cri::PodSandboxConfig {
             namespace: "bench".into(),
             attempt: 0,
         }),
-        hostname: name.into(),
+        // No hostname: a host-network pod shares the host's UTS namespace.
         log_directory: format!("/var/tmp/hako-bench-logs/{name}"),
+        // Host network for both: containerd 1.6 needs a CNI result with an IP for pod
+        // networks, and hako has no CNI yet; this keeps the two doing the same work.
         linux: Some(cri::LinuxPodSandboxConfig {
-            cgroup_parent: String::new(),
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
             ..Default::default()
         }),
         ..Default::default()
@@ -246,13 +254,7 @@ fn main() {
         support::standins::push_all(&Pusher::new(&reg.addr)).await;
         let mirror = support::standins::hosts_toml("registry.k8s.io", &reg.addr);
         let certs = common::certs_for(&[("registry.k8s.io", &mirror)]);
-        let cni = tempfile::tempdir_in("/var/tmp").unwrap();
-        std::fs::write(
-            cni.path().join("10-loopback.conflist"),
-            r#"{"cniVersion": "0.4.0", "name": "lo-only", "plugins": [{"type": "loopback"}]}"#,
-        )
-        .unwrap();
-        let runtimes = [start_hako(certs.path(), "warn"), start_containerd(certs.path(), Some(cni.path()))];
+        let runtimes = [start_hako(certs.path(), "warn"), start_containerd(certs.path(), None)];
         for r in &runtimes {
             let mut c = client(&r.socket).await;
             c.images.pull_image(cri::PullImageRequest { image: Some(cri::ImageSpec { image: IMAGE.into(), ..Default::default() }), ..Default::default() }).await.unwrap();
