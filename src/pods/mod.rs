@@ -240,24 +240,34 @@ impl Runtime {
             .clone()
     }
 
-    pub fn pod(&self, id: &str) -> Result<PodRecord> {
-        if let Some(p) = self.store.get::<PodRecord>(Table::Pods, id)? {
-            return Ok(p);
+    /// A record by full id, or by a unique prefix of it, as crictl allows.
+    fn lookup<T: serde::de::DeserializeOwned>(
+        &self,
+        table: Table,
+        id: &str,
+        what: &str,
+        id_of: fn(&T) -> &str,
+    ) -> Result<T> {
+        if let Some(r) = self.store.get::<T>(table, id)? {
+            return Ok(r);
         }
-        // Unique prefixes work too, as with crictl.
-        let matches: Vec<PodRecord> = self
+        let mut matches: Vec<T> = self
             .store
-            .all::<PodRecord>(Table::Pods)?
+            .all::<T>(table)?
             .into_iter()
-            .filter(|p| !id.is_empty() && p.id.starts_with(id))
+            .filter(|r| !id.is_empty() && id_of(r).starts_with(id))
             .collect();
         match matches.len() {
-            1 => Ok(matches.into_iter().next().expect("one")),
-            0 => Err(Error::NotFound(format!("pod sandbox {id} not found"))),
+            1 => Ok(matches.pop().expect("one")),
+            0 => Err(Error::NotFound(format!("{what} {id} not found"))),
             _ => Err(Error::InvalidArgument(format!(
-                "pod sandbox id prefix {id} is ambiguous"
+                "{what} id prefix {id} is ambiguous"
             ))),
         }
+    }
+
+    pub fn pod(&self, id: &str) -> Result<PodRecord> {
+        self.lookup(Table::Pods, id, "pod sandbox", |p: &PodRecord| &p.id)
     }
 
     pub fn pods(&self) -> Result<Vec<PodRecord>> {
@@ -265,22 +275,9 @@ impl Runtime {
     }
 
     pub fn container_record(&self, id: &str) -> Result<ContainerRecord> {
-        if let Some(c) = self.store.get::<ContainerRecord>(Table::Containers, id)? {
-            return Ok(c);
-        }
-        let matches: Vec<ContainerRecord> = self
-            .store
-            .all::<ContainerRecord>(Table::Containers)?
-            .into_iter()
-            .filter(|c| !id.is_empty() && c.id.starts_with(id))
-            .collect();
-        match matches.len() {
-            1 => Ok(matches.into_iter().next().expect("one")),
-            0 => Err(Error::NotFound(format!("container {id} not found"))),
-            _ => Err(Error::InvalidArgument(format!(
-                "container id prefix {id} is ambiguous"
-            ))),
-        }
+        self.lookup(Table::Containers, id, "container", |c: &ContainerRecord| {
+            &c.id
+        })
     }
 
     // ---- pods ----
