@@ -115,25 +115,9 @@ async fn pod_and_container_lifecycle() {
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("web", logs.path());
-    let pod = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(cfg.clone()),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .pod_sandbox_id;
+    let pod = run_pod(&mut rt, &cfg).await;
     // A retry of the same pod returns the same sandbox.
-    let again = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(cfg.clone()),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .pod_sandbox_id;
+    let again = run_pod(&mut rt, &cfg).await;
     assert_eq!(again, pod);
     let st = rt
         .pod_sandbox_status(cri::PodSandboxStatusRequest {
@@ -347,6 +331,20 @@ async fn pod_and_container_lifecycle() {
     );
 }
 
+async fn run_pod(
+    rt: &mut k8s_cri::v1::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>,
+    cfg: &cri::PodSandboxConfig,
+) -> String {
+    rt.run_pod_sandbox(cri::RunPodSandboxRequest {
+        config: Some(cfg.clone()),
+        runtime_handler: String::new(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .pod_sandbox_id
+}
+
 async fn run_container(
     rt: &mut k8s_cri::v1::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>,
     pod: &str,
@@ -402,15 +400,7 @@ async fn oom_score_adj_is_clamped_to_the_daemons_own() {
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("oom", logs.path());
-    let pod = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(cfg.clone()),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .pod_sandbox_id;
+    let pod = run_pod(&mut rt, &cfg).await;
     let own: i32 = std::fs::read_to_string(format!("/proc/{}/oom_score_adj", h.pid()))
         .unwrap()
         .trim()
@@ -477,15 +467,7 @@ async fn pods_outlive_a_killed_daemon_and_exits_are_reported_after_restart() {
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("survivor", logs.path());
-    let pod = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(cfg.clone()),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .pod_sandbox_id;
+    let pod = run_pod(&mut rt, &cfg).await;
     let ticker = run_container(
         &mut rt,
         &pod,
@@ -574,15 +556,7 @@ async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("stats", logs.path());
-    let pod = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(cfg.clone()),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .pod_sandbox_id;
+    let pod = run_pod(&mut rt, &cfg).await;
     // Busy on CPU, 8 MiB written to its own layer.
     let cmd = [
         "sh",
@@ -697,15 +671,7 @@ async fn a_dead_monitor_is_detected_and_its_pod_reported() {
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("doomed", logs.path());
-    let pod = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(cfg.clone()),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .pod_sandbox_id;
+    let pod = run_pod(&mut rt, &cfg).await;
     let done = run_container(
         &mut rt,
         &pod,
@@ -850,15 +816,7 @@ async fn a_deep_state_dir_does_not_overflow_socket_paths() {
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("deep", logs.path());
-    let pod = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(cfg.clone()),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .pod_sandbox_id;
+    let pod = run_pod(&mut rt, &cfg).await;
     let id = run_container(&mut rt, &pod, &cfg, container_config("c", &["sleep", "60"])).await;
     assert_eq!(exec(&mut rt, &id, "echo ok").await, "ok");
     rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {

@@ -222,6 +222,16 @@ impl Runtime {
         self.root_dir.join("containers").join(id)
     }
 
+    /// Reserves `key` for `id`, with its release registered as the first undo step.
+    fn reserve(&self, key: &str, id: &str, undo: &mut Undo) -> Result<()> {
+        self.store.reserve(key, id)?;
+        let (store, key) = (self.store.clone(), key.to_string());
+        undo.push(move || {
+            let _ = store.release(&key);
+        });
+        Ok(())
+    }
+
     async fn name_lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
         let lock = self
             .name_locks
@@ -310,13 +320,7 @@ impl Runtime {
         }
         let id = new_id();
         let mut undo = Undo::default();
-        self.store.reserve(&key, &id)?;
-        {
-            let (store, key) = (self.store.clone(), key.clone());
-            undo.push(move || {
-                let _ = store.release(&key);
-            });
-        }
+        self.reserve(&key, &id, &mut undo)?;
         let dir = self.pod_dir(&id);
         std::fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
         {
@@ -615,13 +619,7 @@ impl Runtime {
                 .map_err(|e| Error::Internal(format!("image {} config: {e}", image.id)))?;
         let id = new_id();
         let mut undo = Undo::default();
-        self.store.reserve(&key, &id)?;
-        {
-            let (store, key) = (self.store.clone(), key.clone());
-            undo.push(move || {
-                let _ = store.release(&key);
-            });
-        }
+        self.reserve(&key, &id, &mut undo)?;
         self.store.pin(&id, &image.chain_ids)?;
         {
             let (store, id) = (self.store.clone(), id.clone());
