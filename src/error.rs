@@ -62,7 +62,12 @@ impl Error {
 
     /// Wraps this error's message with a leading context while keeping its kind.
     pub fn context(self, ctx: impl std::fmt::Display) -> Error {
-        let msg = format!("{ctx}: {}", chain(&self));
+        self.with_message(format!("{ctx}: {}", chain(&self)))
+    }
+
+    /// An error of the same kind with another message (kinds without a message of their own
+    /// become Internal). Also how a shared error is handed to each of its waiters.
+    pub fn with_message(&self, msg: String) -> Error {
         match self {
             Error::NotFound(_) => Error::NotFound(msg),
             Error::InvalidArgument(_) => Error::InvalidArgument(msg),

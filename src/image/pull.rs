@@ -449,18 +449,7 @@ impl Images {
 
 /// A copy of a shared error, same kind and message.
 fn duplicate(e: &Error) -> Error {
-    let m = chain(e);
-    match e {
-        Error::NotFound(_) => Error::NotFound(m),
-        Error::InvalidArgument(_) => Error::InvalidArgument(m),
-        Error::AlreadyExists(_) => Error::AlreadyExists(m),
-        Error::FailedPrecondition(_) => Error::FailedPrecondition(m),
-        Error::Unauthenticated(_) => Error::Unauthenticated(m),
-        Error::PermissionDenied(_) => Error::PermissionDenied(m),
-        Error::DeadlineExceeded(_) => Error::DeadlineExceeded(m),
-        Error::Unavailable(_) => Error::Unavailable(m),
-        _ => Error::Internal(m),
-    }
+    e.with_message(chain(e))
 }
 
 struct LayerJob {
