@@ -45,8 +45,11 @@ fn pod_config(name: &str) -> cri::PodSandboxConfig {
         // networks, and hako has no CNI yet; this keeps the two doing the same work.
         linux: Some(cri::LinuxPodSandboxConfig {
             security_context: Some(cri::LinuxSandboxSecurityContext {
+                // What kubelet sends for a pod without shareProcessNamespace: a PID
+                // namespace per container (the proto default, POD, would share one).
                 namespace_options: Some(cri::NamespaceOption {
                     network: cri::NamespaceMode::Node as i32,
+                    pid: cri::NamespaceMode::Container as i32,
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -311,6 +314,13 @@ fn main() {
                 per_pod as f64 / 1024.0 / idle as f64,
                 (daemon + per_pod) as f64 / 1024.0 / idle as f64
             );
+        }
+        if let Ok(secs) = std::env::var("HAKO_BENCH_HOLD").map(|s| s.parse::<u64>().unwrap_or(60)) {
+            // Leaves the idle pods up for inspection (smaps of the per-pod processes).
+            for r in &runtimes {
+                println!("{}: per-pod processes {:?}", r.name, per_pod_processes(r));
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(secs)).await;
         }
         for (i, r) in runtimes.iter().enumerate() {
             let mut c = client(&r.socket).await;

@@ -62,7 +62,11 @@ impl Error {
 
     /// Wraps this error's message with a leading context while keeping its kind.
     pub fn context(self, ctx: impl std::fmt::Display) -> Error {
-        self.with_message(format!("{ctx}: {}", chain(&self)))
+        match self {
+            // Its display adds "is not implemented" to the inner text: prefix that instead.
+            Error::Unimplemented(what) => Error::Unimplemented(format!("{ctx}: {what}")),
+            _ => self.with_message(format!("{ctx}: {}", chain(&self))),
+        }
     }
 
     /// An error of the same kind with another message (kinds without a message of their own
@@ -77,9 +81,8 @@ impl Error {
             Error::PermissionDenied(_) => Error::PermissionDenied(msg),
             Error::DeadlineExceeded(_) => Error::DeadlineExceeded(msg),
             Error::Unavailable(_) => Error::Unavailable(msg),
-            Error::Unimplemented(_) | Error::Io { .. } | Error::Store(_) | Error::Internal(_) => {
-                Error::Internal(msg)
-            }
+            Error::Unimplemented(_) => Error::Unimplemented(msg),
+            Error::Io { .. } | Error::Store(_) | Error::Internal(_) => Error::Internal(msg),
         }
     }
 }
@@ -143,5 +146,8 @@ mod tests {
         assert!(
             matches!(e, Error::Unauthenticated(ref m) if m == "pull x: registry r refused credentials")
         );
+        let e = Error::Unimplemented("TTY".into()).context("create container c");
+        assert_eq!(e.to_string(), "create container c: TTY is not implemented");
+        assert!(matches!(e, Error::Unimplemented(_)));
     }
 }

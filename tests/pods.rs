@@ -825,3 +825,269 @@ async fn a_deep_state_dir_does_not_overflow_socket_paths() {
     .await
     .unwrap();
 }
+
+/// The container's log lines, without timestamps: "<stream> <tag> <text>".
+fn log_lines(path: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.split_once(' ').map(|x| x.1).unwrap_or("").to_string())
+        .collect()
+}
+
+async fn status(
+    rt: &mut k8s_cri::v1::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>,
+    id: &str,
+) -> cri::ContainerStatus {
+    rt.container_status(cri::ContainerStatusRequest {
+        container_id: id.into(),
+        verbose: false,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .status
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tty_devices_pid_target_and_live_resource_updates() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let mut cfg = pod_config("features", logs.path());
+    // What kubelet sends for a pod without shareProcessNamespace.
+    cfg.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                pid: cri::NamespaceMode::Container as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let pod = run_pod(&mut rt, &cfg).await;
+
+    // A TTY container: its output arrives through a pty, all of it as stdout.
+    let mut tty = container_config("tty", &["sh", "-c", "tty; echo to-stderr >&2; sleep 61"]);
+    tty.tty = true;
+    let tty_id = run_container(&mut rt, &pod, &cfg, tty).await;
+    let log = logs.path().join("tty.log");
+    let mut lines = Vec::new();
+    for _ in 0..100 {
+        lines = log_lines(&log);
+        if lines.len() >= 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(lines[0].starts_with("stdout F /dev/pts/"), "{lines:?}");
+    assert_eq!(lines[1], "stdout F to-stderr", "{lines:?}");
+    assert_eq!(
+        exec(&mut rt, &tty_id, "cat /proc/1/cmdline | tr '\\0' ' '").await,
+        "sleep 61",
+        "a container PID namespace of its own"
+    );
+
+    // TARGET: a container in the PID namespace of the tty container sees its sleep.
+    let mut debug = container_config("debug", &["sleep", "60"]);
+    debug.linux = Some(cri::LinuxContainerConfig {
+        security_context: Some(cri::LinuxContainerSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                pid: cri::NamespaceMode::Target as i32,
+                target_id: tty_id.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let debug_id = run_container(&mut rt, &pod, &cfg, debug).await;
+    let procs = exec(
+        &mut rt,
+        &debug_id,
+        "cat /proc/[0-9]*/cmdline | tr '\\0' ' '",
+    )
+    .await;
+    assert!(
+        procs.contains("sleep 61"),
+        "target's processes visible: {procs}"
+    );
+
+    // A device under another name, usable; a device node it was not given is refused by
+    // the device cgroup even though CAP_MKNOD lets it create the node.
+    let mut dev = container_config("dev", &["sleep", "60"]);
+    dev.devices = vec![cri::Device {
+        container_path: "/dev/hako-null".into(),
+        host_path: "/dev/null".into(),
+        permissions: "rw".into(),
+    }];
+    let dev_id = run_container(&mut rt, &pod, &cfg, dev).await;
+    assert_eq!(
+        exec(
+            &mut rt,
+            &dev_id,
+            "echo x > /dev/hako-null && stat -c '%t:%T' /dev/hako-null"
+        )
+        .await,
+        "1:3"
+    );
+    let out = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: dev_id.clone(),
+            cmd: vec![
+                "sh".into(),
+                "-c".into(),
+                "mknod /tmp/kmsg c 1 11 && head -c1 /tmp/kmsg".into(),
+            ],
+            timeout: 10,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(out.exit_code, 0);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("Operation not permitted"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A device that is not there: NOT_FOUND naming it, nothing left behind.
+    let mut missing = container_config("missing-dev", &["sleep", "60"]);
+    missing.devices = vec![cri::Device {
+        container_path: "/dev/x".into(),
+        host_path: "/dev/hako-no-such-device".into(),
+        permissions: "rwm".into(),
+    }];
+    let e = rt
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(missing),
+            sandbox_config: Some(cfg.clone()),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    assert!(e.message().contains("/dev/hako-no-such-device"), "{e:?}");
+
+    // UpdateContainerResources reaches the running container's cgroup and its status.
+    rt.update_container_resources(cri::UpdateContainerResourcesRequest {
+        container_id: dev_id.clone(),
+        linux: Some(cri::LinuxContainerResources {
+            memory_limit_in_bytes: 96 << 20,
+            cpu_shares: 256,
+            ..Default::default()
+        }),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let limit = exec(
+        &mut rt,
+        &dev_id,
+        "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max",
+    )
+    .await;
+    assert_eq!(limit, (96u64 << 20).to_string());
+    let st = status(&mut rt, &dev_id).await;
+    let r = st.resources.unwrap().linux.unwrap();
+    assert_eq!((r.memory_limit_in_bytes, r.cpu_shares), (96 << 20, 256));
+    let e = rt
+        .update_container_resources(cri::UpdateContainerResourcesRequest {
+            container_id: "no-such-container".into(),
+            linux: Some(cri::LinuxContainerResources::default()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+
+    // Status carries the identity the process started with.
+    let user = st.user.unwrap().linux.unwrap();
+    assert_eq!((user.uid, user.gid), (0, 0));
+
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    assert_no_leaks(&h, &pod);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stop_uses_the_images_stop_signal() {
+    let Some((reg, h)) = ready().await else {
+        return;
+    };
+    let img = Image::new(
+        vec![Layer::new(
+            &oci::busybox_base_tar(),
+            Compression::Gzip,
+            false,
+        )],
+        &ImageConf {
+            stop_signal: Some("SIGUSR1".into()),
+            ..Default::default()
+        },
+        false,
+    );
+    Pusher::new(&reg.addr)
+        .push("e2e-test-images/stopper", "1", &img)
+        .await;
+    let image = "registry.k8s.io/e2e-test-images/stopper:1";
+    h.images()
+        .await
+        .pull_image(cri::PullImageRequest {
+            image: Some(cri::ImageSpec {
+                image: image.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("stopper", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    // Exits 42 on SIGUSR1 only; SIGTERM would leave it to the SIGKILL (137).
+    let mut cc = container_config(
+        "trap",
+        &[
+            "sh",
+            "-c",
+            "trap 'exit 42' USR1; trap '' TERM; echo ready; while true; do sleep 0.1; done",
+        ],
+    );
+    cc.image = Some(cri::ImageSpec {
+        image: image.into(),
+        ..Default::default()
+    });
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    for _ in 0..100 {
+        if !log_lines(&logs.path().join("trap.log")).is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    rt.stop_container(cri::StopContainerRequest {
+        container_id: id.clone(),
+        timeout: 10,
+    })
+    .await
+    .unwrap();
+    assert_eq!(status(&mut rt, &id).await.exit_code, 42);
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    assert_no_leaks(&h, &pod);
+}

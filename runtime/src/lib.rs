@@ -1,7 +1,8 @@
 //! hako-runtime: the embedded OCI executor — OCI spec generation ([`spec`]), the per-pod
 //! monitor process ([`monitor`]) that creates containers through youki's libcontainer, and the
-//! CRI log writer ([`logs`]).
+//! CRI log writer ([`logs`]), host device nodes ([`devices`]).
 
+pub mod devices;
 pub mod logs;
 pub mod monitor;
 pub mod spec;

@@ -111,6 +111,25 @@ pub struct Mount {
     pub readonly: bool,
     /// "private", "rslave" or "rshared".
     pub propagation: String,
+    /// Read-only all the way down: submounts of the source too (`rro`, kernel 5.12+).
+    #[serde(default)]
+    pub recursive_readonly: bool,
+}
+
+/// A device node the container gets, and the cgroup rule that lets it use it.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Device {
+    /// Path inside the container.
+    pub path: String,
+    /// "c" or "b".
+    pub kind: String,
+    pub major: i64,
+    pub minor: i64,
+    pub file_mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    /// cgroup access: any of "r", "w", "m".
+    pub access: String,
 }
 
 /// The container's seccomp filter.
@@ -340,6 +359,42 @@ pub struct Resources {
     pub memory_limit: Option<i64>,
     pub memory_swap: Option<i64>,
     pub pids_limit: Option<i64>,
+    /// (page size as the kernel names it, e.g. "2MB"; limit in bytes)
+    #[serde(default)]
+    pub hugepage_limits: Vec<(String, u64)>,
+    /// cgroup v2 files to write as given.
+    #[serde(default)]
+    pub unified: BTreeMap<String, String>,
+}
+
+impl Resources {
+    /// These limits with every one `newer` sets replaced (an update names only what changes).
+    pub fn merged(&self, newer: &Resources) -> Resources {
+        let mut unified = self.unified.clone();
+        unified.extend(newer.unified.clone());
+        Resources {
+            cpu_shares: newer.cpu_shares.or(self.cpu_shares),
+            cpu_quota: newer.cpu_quota.or(self.cpu_quota),
+            cpu_period: newer.cpu_period.or(self.cpu_period),
+            cpuset_cpus: newer
+                .cpuset_cpus
+                .clone()
+                .or_else(|| self.cpuset_cpus.clone()),
+            cpuset_mems: newer
+                .cpuset_mems
+                .clone()
+                .or_else(|| self.cpuset_mems.clone()),
+            memory_limit: newer.memory_limit.or(self.memory_limit),
+            memory_swap: newer.memory_swap.or(self.memory_swap),
+            pids_limit: newer.pids_limit.or(self.pids_limit),
+            hugepage_limits: if newer.hugepage_limits.is_empty() {
+                self.hugepage_limits.clone()
+            } else {
+                newer.hugepage_limits.clone()
+            },
+            unified,
+        }
+    }
 }
 
 /// What a container is, in hako's terms; the CRI layer builds it from the CRI request and the
@@ -358,6 +413,8 @@ pub struct ContainerSpec {
     pub rootfs: String,
     pub readonly_rootfs: bool,
     pub mounts: Vec<Mount>,
+    #[serde(default)]
+    pub devices: Vec<Device>,
     pub network: Option<Ns>,
     pub ipc: Option<Ns>,
     pub uts: Option<Ns>,
@@ -488,14 +545,16 @@ fn user_mounts(s: &ContainerSpec) -> Vec<Value> {
             if mt.readonly {
                 opts.push("ro".into());
             }
+            if mt.recursive_readonly {
+                opts.push("rro".into());
+            }
             json!({"destination": mt.destination, "type": "bind", "source": mt.source, "options": opts})
         })
         .collect()
 }
 
 fn resources(s: &ContainerSpec) -> Value {
-    let r = &s.resources;
-    let mut v = json!({});
+    let mut v = limits(&s.resources);
     if !s.privileged {
         v["devices"] = json!([
             {"allow": false, "access": "rwm"},
@@ -508,7 +567,18 @@ fn resources(s: &ContainerSpec) -> Value {
             {"allow": true, "type": "c", "major": 5, "minor": 2, "access": "rwm"},
             {"allow": true, "type": "c", "major": 136, "access": "rwm"},
         ]);
+        for d in &s.devices {
+            v["devices"].as_array_mut().expect("array above").push(json!({
+                "allow": true, "type": d.kind, "major": d.major, "minor": d.minor, "access": d.access,
+            }));
+        }
     }
+    v
+}
+
+/// `linux.resources` without device rules: what UpdateContainerResources changes.
+pub fn limits(r: &Resources) -> Value {
+    let mut v = json!({});
     let mut cpu = json!({});
     if let Some(x) = r.cpu_shares {
         cpu["shares"] = json!(x);
@@ -541,7 +611,36 @@ fn resources(s: &ContainerSpec) -> Value {
     if let Some(x) = r.pids_limit {
         v["pids"] = json!({"limit": x});
     }
+    if !r.hugepage_limits.is_empty() {
+        v["hugepageLimits"] = r
+            .hugepage_limits
+            .iter()
+            .map(|(size, limit)| json!({"pageSize": size, "limit": limit}))
+            .collect();
+    }
+    if !r.unified.is_empty() {
+        v["unified"] = json!(r.unified);
+    }
     v
+}
+
+fn devices(s: &ContainerSpec) -> Value {
+    s.devices
+        .iter()
+        .map(|d| {
+            let mut v = json!({"path": d.path, "type": d.kind, "major": d.major, "minor": d.minor});
+            if let Some(m) = d.file_mode {
+                v["fileMode"] = json!(m);
+            }
+            if let Some(u) = d.uid {
+                v["uid"] = json!(u);
+            }
+            if let Some(g) = d.gid {
+                v["gid"] = json!(g);
+            }
+            v
+        })
+        .collect()
 }
 
 /// The OCI spec for `s`, as JSON.
@@ -571,6 +670,9 @@ pub fn generate_json(s: &ContainerSpec) -> Value {
         "resources": resources(s),
         "sysctl": s.sysctls,
     });
+    if !s.devices.is_empty() {
+        linux["devices"] = devices(s);
+    }
     // Mount events only cross into (rslave) or out of (rshared) the container when its root
     // itself propagates them, as containerd sets it.
     if s.mounts.iter().any(|m| m.propagation == "rshared") {
@@ -847,6 +949,7 @@ mod tests {
                     source: "/srv".into(),
                     readonly: true,
                     propagation: "rslave".into(),
+                    recursive_readonly: false,
                 });
                 s.resources = Resources {
                     memory_limit: Some(64 << 20),
@@ -879,6 +982,72 @@ mod tests {
                 assert_eq!(v["root"]["readonly"], true);
                 assert_eq!(v["process"]["noNewPrivileges"], true);
                 assert_eq!(v["linux"]["rootfsPropagation"], "slave");
+            },
+        );
+    }
+
+    #[test]
+    fn devices_hugepages_and_recursive_readonly_reach_the_spec() {
+        check(
+            |s| {
+                s.devices.push(Device {
+                    path: "/dev/fake0".into(),
+                    kind: "c".into(),
+                    major: 1,
+                    minor: 3,
+                    file_mode: Some(0o620),
+                    uid: None,
+                    gid: Some(5),
+                    access: "rw".into(),
+                });
+                s.resources.hugepage_limits.push(("2MB".into(), 4 << 20));
+                s.mounts.push(Mount {
+                    destination: "/data".into(),
+                    source: "/srv".into(),
+                    readonly: true,
+                    propagation: "rprivate".into(),
+                    recursive_readonly: true,
+                });
+            },
+            |v| {
+                let d = &v["linux"]["devices"][0];
+                assert_eq!(
+                    (d["path"].as_str(), d["type"].as_str()),
+                    (Some("/dev/fake0"), Some("c"))
+                );
+                assert_eq!(
+                    (d["fileMode"].as_u64(), d["gid"].as_u64()),
+                    (Some(0o620), Some(5))
+                );
+                assert!(d.get("uid").is_none());
+                let rules = v["linux"]["resources"]["devices"].as_array().unwrap();
+                let last = rules.last().unwrap();
+                assert_eq!(last["access"], "rw");
+                assert_eq!(
+                    (last["major"].as_i64(), last["minor"].as_i64()),
+                    (Some(1), Some(3))
+                );
+                assert_eq!(
+                    v["linux"]["resources"]["hugepageLimits"][0]["pageSize"],
+                    "2MB"
+                );
+                assert_eq!(
+                    v["linux"]["resources"]["hugepageLimits"][0]["limit"],
+                    4 << 20
+                );
+                let m = v["mounts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|m| m["destination"] == "/data")
+                    .unwrap();
+                let opts: Vec<&str> = m["options"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|o| o.as_str())
+                    .collect();
+                assert!(opts.contains(&"ro") && opts.contains(&"rro"), "{opts:?}");
             },
         );
     }

@@ -1,8 +1,9 @@
-//! Resource usage of a container's cgroup (cgroup v1, hybrid and v2 through libcgroups).
+//! A container's cgroup through libcgroups (v1, hybrid and v2): usage readings, and resource
+//! limits changed while it runs.
 
 use std::path::PathBuf;
 
-use libcgroups::common::{create_cgroup_manager, CgroupConfig, CgroupManager};
+use libcgroups::common::{create_cgroup_manager, CgroupConfig, CgroupManager, ControllerOpt};
 
 /// One reading of a cgroup.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -42,4 +43,24 @@ pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
         major_page_faults: get("total_pgmajfault", "pgmajfault"),
         pids: st.pids.current,
     })
+}
+
+/// Applies new limits to the cgroup at `cgroups_path` (UpdateContainerResources).
+pub fn update(cgroups_path: &str, r: &crate::spec::Resources) -> Result<(), String> {
+    let resources: oci_spec::runtime::LinuxResources =
+        serde_json::from_value(crate::spec::limits(r))
+            .map_err(|e| format!("resources for cgroup {cgroups_path}: {e}"))?;
+    let cm = create_cgroup_manager(CgroupConfig {
+        cgroup_path: PathBuf::from(cgroups_path),
+        systemd_cgroup: false,
+        container_name: String::new(),
+    })
+    .map_err(|e| format!("cgroup {cgroups_path}: {e}"))?;
+    cm.apply(&ControllerOpt {
+        resources: &resources,
+        disable_oom_killer: false,
+        oom_score_adj: None,
+        freezer_state: None,
+    })
+    .map_err(|e| format!("update cgroup {cgroups_path}: {e}"))
 }

@@ -643,9 +643,38 @@ impl Runtime {
             .rev()
             .map(|c| self.images.snapshot_fs(c))
             .collect();
+        let stop_signal = match config["config"]["StopSignal"].as_str() {
+            Some(sig) if !sig.is_empty() => {
+                parse_signal(sig).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "image {} has an unknown STOPSIGNAL {sig:?}",
+                        req.image
+                    ))
+                })?;
+                Some(sig.to_string())
+            }
+            _ => None,
+        };
+        let target_pid = if req.security.pid == NsMode::Target {
+            Some(self.pid_target(&pod, &req).await?)
+        } else {
+            None
+        };
         let root = bundle.join("rootfs");
         rootfs::mount_overlay(&lowers, &layer.join("upper"), &layer.join("work"), &root)?;
-        let spec = self.container_spec(&pod, &id, &req, &config, &root)?;
+        let spec = self.container_spec(&pod, &id, &req, &config, &root, target_pid)?;
+        let user = UserIds {
+            uid: spec.uid,
+            gid: spec.gid,
+            groups: std::iter::once(spec.gid)
+                .chain(
+                    spec.additional_gids
+                        .iter()
+                        .copied()
+                        .filter(|g| *g != spec.gid),
+                )
+                .collect(),
+        };
         let cgroups_path = spec.cgroups_path.clone();
         let oci = spec::generate(&spec).map_err(Error::Internal)?;
         let cfg = bundle.join("config.json");
@@ -682,6 +711,9 @@ impl Runtime {
             exit: None,
             chain_ids: image.chain_ids.clone(),
             cgroups_path,
+            stop_signal,
+            user: Some(user),
+            start_error: None,
         };
         if let Err(e) = self.store.put(Table::Containers, &id, &record) {
             let _ = monitor.delete(&id, true).await;
@@ -692,6 +724,29 @@ impl Runtime {
         Ok(id)
     }
 
+    /// The pid whose PID namespace a TARGET-mode container joins: a running container of the
+    /// same pod.
+    async fn pid_target(&self, pod: &PodRecord, req: &ContainerSpecReq) -> Result<u32> {
+        let target = &req.security.pid_target;
+        let c = self
+            .container_record(target)
+            .map_err(|e| e.context(format!("PID namespace target of container {}", req.name)))?;
+        if c.pod_id != pod.id {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: PID namespace target {target} is in another pod",
+                req.name
+            )));
+        }
+        let s = self.monitor(pod).state(&c.id).await?;
+        if s.status != pb::Status::Running as i32 || s.pid == 0 {
+            return Err(Error::FailedPrecondition(format!(
+                "container {}: PID namespace target {target} is not running",
+                req.name
+            )));
+        }
+        Ok(s.pid)
+    }
+
     /// The OCI-level description of a container, from the CRI request and the image config.
     fn container_spec(
         &self,
@@ -700,6 +755,7 @@ impl Runtime {
         req: &ContainerSpecReq,
         image: &serde_json::Value,
         root: &Path,
+        target_pid: Option<u32>,
     ) -> Result<ContainerSpec> {
         let ic = &image["config"];
         let strings = |v: &serde_json::Value| -> Vec<String> {
@@ -772,6 +828,9 @@ impl Runtime {
         } else {
             rootfs::resolve_user(root, &user, group.as_deref())?
         };
+        if sec.strict_supplemental_groups {
+            extra.clear();
+        }
         for g in &sec.supplemental_groups {
             if !extra.contains(&(*g as u32)) {
                 extra.push(*g as u32);
@@ -779,6 +838,12 @@ impl Runtime {
         }
         let mut mounts = Vec::new();
         for m in &req.mounts {
+            if m.recursive_readonly && !(m.readonly && m.propagation == Propagation::Private) {
+                return Err(Error::InvalidArgument(format!(
+                    "container {}: recursive read-only mount {} needs readonly and private propagation",
+                    req.name, m.container_path
+                )));
+            }
             if !Path::new(&m.host_path).exists() {
                 // A missing host path becomes a directory, as containerd and CRI-O do.
                 std::fs::create_dir_all(&m.host_path)
@@ -794,6 +859,7 @@ impl Runtime {
                     Propagation::Bidirectional => "rshared",
                 }
                 .into(),
+                recursive_readonly: m.recursive_readonly,
             });
         }
         let pod_dir = self.pod_dir(&pod.id);
@@ -808,6 +874,7 @@ impl Runtime {
                     source: pod_dir.join(file).display().to_string(),
                     readonly: sec.readonly_rootfs,
                     propagation: "rprivate".into(),
+                    recursive_readonly: false,
                 });
             }
         }
@@ -817,16 +884,28 @@ impl Runtime {
                 .map(|p| Ns::Join(p.clone()))
                 .unwrap_or(Ns::Host)
         };
-        let pid = match sec.pid {
-            NsMode::Pod => join("pid"),
-            NsMode::Container => Ns::New,
-            NsMode::Node => Ns::Host,
-            NsMode::Target => {
-                return Err(Error::Unimplemented(format!(
-                    "PID namespace mode TARGET (container {})",
-                    sec.pid_target
-                )))
-            }
+        let pid = match (sec.pid, pod.spec.pid) {
+            (NsMode::Pod, NsMode::Node) | (NsMode::Node, _) => Ns::Host,
+            (NsMode::Pod, NsMode::Pod) => pod
+                .namespaces
+                .get("pid")
+                .map(|p| Ns::Join(p.clone()))
+                .ok_or_else(|| Error::Internal(format!("pod {} has no PID namespace", pod.id)))?,
+            // A pod without a shared PID namespace: the container gets its own.
+            (NsMode::Pod, _) | (NsMode::Container, _) => Ns::New,
+            (NsMode::Target, _) => Ns::Join(format!(
+                "/proc/{}/ns/pid",
+                target_pid.ok_or_else(|| Error::Internal("PID target not resolved".into()))?
+            )),
+        };
+        let devices = if sec.privileged {
+            host_devices()
+        } else {
+            req.devices
+                .iter()
+                .map(|d| device_nodes(d).map_err(|e| e.context(format!("container {}", req.name))))
+                .collect::<Result<Vec<_>>>()?
+                .concat()
         };
         let cgroup_parent = if pod.spec.cgroup_parent.is_empty() {
             format!("/hako/{}", pod.id)
@@ -846,6 +925,7 @@ impl Runtime {
             rootfs: root.display().to_string(),
             readonly_rootfs: sec.readonly_rootfs,
             mounts,
+            devices,
             network: Some(join("network")),
             ipc: Some(join("ipc")),
             uts: Some(join("uts")),
@@ -913,17 +993,38 @@ impl Runtime {
                 c.id, c.state
             )));
         }
-        let s = self
-            .monitor(&pod)
-            .start(&c.id)
-            .await
-            .map_err(|e| e.context(format!("start container {}", c.id)))?;
+        let m = self.monitor(&pod);
+        let s = match m.start(&c.id).await {
+            Ok(s) => s,
+            Err(e) => {
+                let e = e.context(format!("start container {}", c.id));
+                // The container is done for: its init must not linger waiting for a start, and
+                // its status says why (reason StartError), as containerd reports it.
+                c.start_error = Some(chain(&e));
+                let _ = m.signal(&c.id, libc::SIGKILL, true).await;
+                match m.wait(&c.id, 5_000).await {
+                    Ok(s) => {
+                        apply_state(&mut c, &s);
+                    }
+                    Err(_) => c.state = ContainerState::Exited,
+                }
+                if c.exit.is_none() {
+                    c.exit = Some(ExitInfo {
+                        code: 128,
+                        finished_at: now_nanos(),
+                        ..Default::default()
+                    });
+                }
+                self.store.put(Table::Containers, &c.id, &c)?;
+                return Err(e);
+            }
+        };
         apply_state(&mut c, &s);
         self.store.put(Table::Containers, &c.id, &c)?;
         Ok(())
     }
 
-    /// StopContainer: SIGTERM (the image's STOPSIGNAL is not read yet), then SIGKILL after
+    /// StopContainer: the image's STOPSIGNAL (SIGTERM when it has none), then SIGKILL after
     /// `timeout`. Stopping an exited or unknown container succeeds.
     pub async fn stop_container(&self, id: &str, timeout: Duration) -> Result<()> {
         let mut c = match self.container_record(id) {
@@ -944,7 +1045,12 @@ impl Runtime {
             return self.store.put(Table::Containers, &c.id, &c);
         }
         if s.status == pb::Status::Running as i32 && !timeout.is_zero() {
-            m.signal(&c.id, libc::SIGTERM, false).await?;
+            let sig = c
+                .stop_signal
+                .as_deref()
+                .and_then(parse_signal)
+                .unwrap_or(libc::SIGTERM);
+            m.signal(&c.id, sig, false).await?;
             let s = m.wait(&c.id, timeout.as_millis() as i64).await?;
             if s.status == pb::Status::Exited as i32 {
                 apply_state(&mut c, &s);
@@ -955,6 +1061,32 @@ impl Runtime {
         let s = m.wait(&c.id, 30_000).await?;
         apply_state(&mut c, &s);
         self.store.put(Table::Containers, &c.id, &c)
+    }
+
+    /// UpdateContainerResources: new limits on the cgroup of a created or running container,
+    /// kept in its record (ContainerStatus reports them). An exited container only has its
+    /// record updated, as containerd does.
+    pub async fn update_container(&self, id: &str, resources: spec::Resources) -> Result<()> {
+        let view = self.container(id).await?;
+        let mut c = view.record;
+        let resources = c.spec.resources.merged(&resources);
+        if matches!(
+            view.state,
+            ContainerState::Created | ContainerState::Running
+        ) {
+            let path = c.cgroups_path.clone();
+            let r = resources.clone();
+            tokio::task::spawn_blocking(move || hako_runtime::stats::update(&path, &r))
+                .await
+                .map_err(|e| Error::Internal(format!("update task: {e}")))?
+                .map_err(|e| {
+                    Error::InvalidArgument(format!("update resources of container {id}: {e}"))
+                })?;
+        }
+        c.spec.resources = resources;
+        self.store.put(Table::Containers, &c.id, &c)?;
+        tracing::info!(container = %c.id, "container resources updated");
+        Ok(())
     }
 
     /// RemoveContainer: force-removes a running one. Removing an unknown container succeeds.
@@ -1098,6 +1230,55 @@ impl Runtime {
         }
         self.monitor(&pod).reopen_log(&c.id).await
     }
+}
+
+/// The nodes a CRI device request names.
+fn device_nodes(d: &DeviceReq) -> Result<Vec<spec::Device>> {
+    hako_runtime::devices::from_host(&d.host_path, &d.container_path, &d.permissions).map_err(|e| {
+        match e.kind() {
+            std::io::ErrorKind::NotFound => Error::NotFound(e.to_string()),
+            _ => Error::InvalidArgument(e.to_string()),
+        }
+    })
+}
+
+fn host_devices() -> Vec<spec::Device> {
+    hako_runtime::devices::host_devices()
+}
+
+/// A signal as images name it in STOPSIGNAL: "SIGQUIT", "QUIT", "3" or "SIGRTMIN+3".
+pub fn parse_signal(s: &str) -> Option<i32> {
+    let s = s.trim();
+    if let Ok(n) = s.parse::<i32>() {
+        return (1..=libc::SIGRTMAX()).contains(&n).then_some(n);
+    }
+    let up = s.to_ascii_uppercase();
+    let name = if up.starts_with("SIG") {
+        up
+    } else {
+        format!("SIG{up}")
+    };
+    if let Some(rt) = name.strip_prefix("SIGRTMIN") {
+        let off: i32 = if rt.is_empty() {
+            0
+        } else {
+            rt.strip_prefix('+')?.parse().ok()?
+        };
+        let n = libc::SIGRTMIN() + off;
+        return (n <= libc::SIGRTMAX()).then_some(n);
+    }
+    if let Some(rt) = name.strip_prefix("SIGRTMAX") {
+        let off: i32 = if rt.is_empty() {
+            0
+        } else {
+            rt.strip_prefix('-')?.parse().ok()?
+        };
+        let n = libc::SIGRTMAX() - off;
+        return (n >= libc::SIGRTMIN()).then_some(n);
+    }
+    name.parse::<nix::sys::signal::Signal>()
+        .ok()
+        .map(|s| s as i32)
 }
 
 /// Whether `pid` is still a hako pod monitor (not a reused pid).

@@ -97,6 +97,17 @@ pub struct MountReq {
     pub host_path: String,
     pub readonly: bool,
     pub propagation: Propagation,
+    #[serde(default)]
+    pub recursive_readonly: bool,
+}
+
+/// A host device the container asks for (CRI `Device`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DeviceReq {
+    pub container_path: String,
+    pub host_path: String,
+    /// Any of "r", "w", "m"; empty means "rwm".
+    pub permissions: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -115,6 +126,9 @@ pub struct Security {
     pub run_as_username: String,
     pub run_as_group: Option<i64>,
     pub supplemental_groups: Vec<i64>,
+    /// SupplementalGroupsPolicy Strict: the image's /etc/group adds nothing.
+    #[serde(default)]
+    pub strict_supplemental_groups: bool,
     pub readonly_rootfs: bool,
     pub no_new_privs: bool,
     pub add_capabilities: Vec<String>,
@@ -137,6 +151,8 @@ pub struct ContainerSpecReq {
     pub working_dir: String,
     pub envs: Vec<(String, String)>,
     pub mounts: Vec<MountReq>,
+    #[serde(default)]
+    pub devices: Vec<DeviceReq>,
     pub labels: BTreeMap<String, String>,
     pub annotations: BTreeMap<String, String>,
     /// Relative to the pod's log directory.
@@ -184,6 +200,23 @@ pub struct ContainerRecord {
     /// The container's cgroup, as in its OCI spec.
     #[serde(default)]
     pub cgroups_path: String,
+    /// The image's STOPSIGNAL, if it has one.
+    #[serde(default)]
+    pub stop_signal: Option<String>,
+    /// The identity the first process starts with.
+    #[serde(default)]
+    pub user: Option<UserIds>,
+    /// Why the last start failed (ContainerStatus reason StartError).
+    #[serde(default)]
+    pub start_error: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UserIds {
+    pub uid: u32,
+    pub gid: u32,
+    /// The primary group first, then the others.
+    pub groups: Vec<u32>,
 }
 
 impl ContainerSpecReq {

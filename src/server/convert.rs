@@ -5,8 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 use k8s_cri::v1 as cri;
 
 use crate::pods::{
-    ContainerSpecReq, ContainerState, ContainerView, Dns, MountReq, NsMode, PodRecord, PodSpec,
-    PodState, PortMapping, Propagation, SeccompReq, Security,
+    ContainerSpecReq, ContainerState, ContainerView, DeviceReq, Dns, MountReq, NsMode, PodRecord,
+    PodSpec, PodState, PortMapping, Propagation, SeccompReq, Security,
 };
 use hako_runtime::spec::Resources;
 
@@ -141,6 +141,49 @@ pub fn labels_match(labels: &BTreeMap<String, String>, selector: &HashMap<String
     selector.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
 
+/// CRI limits as hako's; zero and empty mean "not set".
+pub fn resources(r: cri::LinuxContainerResources) -> Resources {
+    let pos = |x: i64| (x > 0).then_some(x);
+    Resources {
+        cpu_shares: (r.cpu_shares > 0).then_some(r.cpu_shares as u64),
+        cpu_quota: pos(r.cpu_quota),
+        cpu_period: (r.cpu_period > 0).then_some(r.cpu_period as u64),
+        cpuset_cpus: (!r.cpuset_cpus.is_empty()).then_some(r.cpuset_cpus),
+        cpuset_mems: (!r.cpuset_mems.is_empty()).then_some(r.cpuset_mems),
+        memory_limit: pos(r.memory_limit_in_bytes),
+        memory_swap: pos(r.memory_swap_limit_in_bytes),
+        pids_limit: None,
+        hugepage_limits: r
+            .hugepage_limits
+            .into_iter()
+            .map(|h| (h.page_size, h.limit))
+            .collect(),
+        unified: r.unified.into_iter().collect(),
+    }
+}
+
+fn resources_cri(r: &Resources) -> cri::LinuxContainerResources {
+    cri::LinuxContainerResources {
+        cpu_period: r.cpu_period.unwrap_or(0) as i64,
+        cpu_quota: r.cpu_quota.unwrap_or(0),
+        cpu_shares: r.cpu_shares.unwrap_or(0) as i64,
+        memory_limit_in_bytes: r.memory_limit.unwrap_or(0),
+        memory_swap_limit_in_bytes: r.memory_swap.unwrap_or(0),
+        cpuset_cpus: r.cpuset_cpus.clone().unwrap_or_default(),
+        cpuset_mems: r.cpuset_mems.clone().unwrap_or_default(),
+        hugepage_limits: r
+            .hugepage_limits
+            .iter()
+            .map(|(page_size, limit)| cri::HugepageLimit {
+                page_size: page_size.clone(),
+                limit: *limit,
+            })
+            .collect(),
+        unified: r.unified.clone().into_iter().collect(),
+        ..Default::default()
+    }
+}
+
 pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
     let md = c.metadata.unwrap_or_default();
     let linux = c.linux.unwrap_or_default();
@@ -148,7 +191,7 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
     let s = linux.security_context.unwrap_or_default();
     let caps = s.capabilities.clone().unwrap_or_default();
     let ns = s.namespace_options.clone().unwrap_or_default();
-    let pos = |x: i64| (x > 0).then_some(x);
+    let oom_score_adj = (r.oom_score_adj != 0).then_some(r.oom_score_adj);
     ContainerSpecReq {
         name: md.name,
         attempt: md.attempt,
@@ -173,6 +216,16 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
                     }
                     cri::MountPropagation::PropagationBidirectional => Propagation::Bidirectional,
                 },
+                recursive_readonly: m.recursive_read_only,
+            })
+            .collect(),
+        devices: c
+            .devices
+            .into_iter()
+            .map(|d| DeviceReq {
+                container_path: d.container_path,
+                host_path: d.host_path,
+                permissions: d.permissions,
             })
             .collect(),
         labels: btree(c.labels),
@@ -181,23 +234,16 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
         tty: c.tty,
         stdin: c.stdin,
         stdin_once: c.stdin_once,
-        resources: Resources {
-            cpu_shares: (r.cpu_shares > 0).then_some(r.cpu_shares as u64),
-            cpu_quota: pos(r.cpu_quota),
-            cpu_period: (r.cpu_period > 0).then_some(r.cpu_period as u64),
-            cpuset_cpus: (!r.cpuset_cpus.is_empty()).then_some(r.cpuset_cpus),
-            cpuset_mems: (!r.cpuset_mems.is_empty()).then_some(r.cpuset_mems),
-            memory_limit: pos(r.memory_limit_in_bytes),
-            memory_swap: pos(r.memory_swap_limit_in_bytes),
-            pids_limit: None,
-        },
-        oom_score_adj: (r.oom_score_adj != 0).then_some(r.oom_score_adj),
+        resources: resources(r),
+        oom_score_adj,
         security: Security {
             privileged: s.privileged,
             run_as_user: s.run_as_user.map(|v| v.value),
             run_as_username: s.run_as_username,
             run_as_group: s.run_as_group.map(|v| v.value),
             supplemental_groups: s.supplemental_groups,
+            strict_supplemental_groups: s.supplemental_groups_policy
+                == cri::SupplementalGroupsPolicy::Strict as i32,
             readonly_rootfs: s.readonly_rootfs,
             no_new_privs: s.no_new_privs,
             add_capabilities: caps.add_capabilities,
@@ -255,6 +301,9 @@ fn container_metadata(v: &ContainerView) -> cri::ContainerMetadata {
 pub fn container_status(v: &ContainerView) -> cri::ContainerStatus {
     let r = &v.record;
     let (exit_code, finished_at, reason) = match (&v.exit, v.state) {
+        (Some(e), ContainerState::Exited) if r.start_error.is_some() => {
+            (128, e.finished_at, "StartError".to_string())
+        }
         (Some(e), ContainerState::Exited) => {
             let reason = if e.oom_killed {
                 "OOMKilled"
@@ -281,7 +330,7 @@ pub fn container_status(v: &ContainerView) -> cri::ContainerStatus {
         }),
         image_ref: r.image_ref.clone(),
         reason,
-        message: String::new(),
+        message: r.start_error.clone().unwrap_or_default(),
         labels: hash(&r.spec.labels),
         annotations: hash(&r.spec.annotations),
         mounts: r
@@ -299,13 +348,23 @@ pub fn container_status(v: &ContainerView) -> cri::ContainerStatus {
                     }
                     Propagation::Bidirectional => cri::MountPropagation::PropagationBidirectional,
                 }) as i32,
+                recursive_read_only: m.recursive_readonly,
                 ..Default::default()
             })
             .collect(),
         log_path: r.log_path.clone(),
-        resources: None,
+        resources: Some(cri::ContainerResources {
+            linux: Some(resources_cri(&r.spec.resources)),
+            windows: None,
+        }),
         image_id: r.image_id.clone(),
-        user: None,
+        user: r.user.as_ref().map(|u| cri::ContainerUser {
+            linux: Some(cri::LinuxContainerUser {
+                uid: u.uid as i64,
+                gid: u.gid as i64,
+                supplemental_groups: u.groups.iter().map(|g| *g as i64).collect(),
+            }),
+        }),
     }
 }
 

@@ -70,12 +70,12 @@ impl RuntimeService for Runtime {
             runtime_handlers: vec![cri::RuntimeHandler {
                 name: String::new(),
                 features: Some(cri::RuntimeHandlerFeatures {
-                    recursive_read_only_mounts: false,
+                    recursive_read_only_mounts: true,
                     user_namespaces: false,
                 }),
             }],
             features: Some(cri::RuntimeFeatures {
-                supplemental_groups_policy: false,
+                supplemental_groups_policy: true,
             }),
             ..Default::default()
         };
@@ -471,9 +471,25 @@ impl RuntimeService for Runtime {
 
     async fn update_container_resources(
         &self,
-        _: Request<cri::UpdateContainerResourcesRequest>,
+        req: Request<cri::UpdateContainerResourcesRequest>,
     ) -> Result<Response<cri::UpdateContainerResourcesResponse>, Status> {
-        unimplemented("UpdateContainerResources")
+        let req = req.into_inner();
+        tracing::debug!(rpc = "UpdateContainerResources", id = %req.container_id);
+        let Some(linux) = req.linux else {
+            return Err(status(
+                "UpdateContainerResources",
+                Error::InvalidArgument(format!(
+                    "update of container {}: no Linux resources given",
+                    req.container_id
+                )),
+            ));
+        };
+        self.daemon
+            .runtime
+            .update_container(&req.container_id, convert::resources(linux))
+            .await
+            .map_err(|e| status("UpdateContainerResources", e))?;
+        Ok(Response::new(cri::UpdateContainerResourcesResponse {}))
     }
 
     async fn exec(

@@ -182,6 +182,7 @@ pub struct ImageConf {
     pub entrypoint: Vec<String>,
     pub env: Vec<String>,
     pub architecture: Option<String>,
+    pub stop_signal: Option<String>,
 }
 
 pub struct Image {
@@ -206,6 +207,9 @@ impl Image {
         }
         if !conf.entrypoint.is_empty() {
             config["config"]["Entrypoint"] = conf.entrypoint.clone().into();
+        }
+        if let Some(sig) = &conf.stop_signal {
+            config["config"]["StopSignal"] = sig.clone().into();
         }
         Image {
             layers,

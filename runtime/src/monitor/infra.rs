@@ -3,6 +3,8 @@
 //! shares one), sets the hostname, brings up loopback and applies network sysctls. The monitor
 //! then bind-mounts the namespace files under `<pod dir>/ns/` so containers join them by path.
 //! With a pod PID namespace the infra process is its PID 1: it reaps the orphans of the pod.
+//! Without one it exits as soon as the bind mounts hold the namespaces, so an idle pod is the
+//! monitor alone; a pod that shares every namespace with the host forks nothing.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -137,9 +139,14 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
     }
 }
 
-/// Starts the infra process and pins its namespaces; returns its pid and the namespace paths
-/// containers join ("network", "ipc", "uts", "pid").
-pub fn spawn(opts: &Options) -> Result<(Pid, HashMap<String, String>), String> {
+/// Starts the infra process and pins its namespaces; returns the pid of the pod's init (only
+/// with a pod PID namespace: it lives as long as the pod) and the namespace paths containers
+/// join ("network", "ipc", "uts", "pid").
+pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>), String> {
+    let ns = opts.namespaces;
+    if !(ns.network || ns.ipc || ns.uts || ns.pid) && opts.sysctls.is_empty() {
+        return Ok((None, HashMap::new()));
+    }
     let (r, w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     // SAFETY: called before the monitor starts any thread.
     let pid = match unsafe { fork() }.map_err(|e| format!("fork infra: {e}"))? {
@@ -171,13 +178,19 @@ pub fn spawn(opts: &Options) -> Result<(Pid, HashMap<String, String>), String> {
             other => return Err(format!("infra intermediate: {other:?}")),
         }
     }
-    pin(opts, infra)
-        .inspect_err(|_| {
-            let _ = nix::sys::signal::kill(infra, nix::sys::signal::Signal::SIGKILL);
-            let _ = waitpid(infra, None);
+    let pinned = pin(opts, infra);
+    if pinned.is_err() || !ns.pid {
+        // The bind mounts now hold the namespaces; nothing needs the process.
+        let _ = nix::sys::signal::kill(infra, nix::sys::signal::Signal::SIGKILL);
+        let _ = waitpid(infra, None);
+    }
+    match pinned {
+        Ok(paths) => Ok((ns.pid.then_some(infra), paths)),
+        Err(e) => {
             unpin(&opts.dir);
-        })
-        .map(|paths| (infra, paths))
+            Err(e)
+        }
+    }
 }
 
 fn pin(opts: &Options, infra: Pid) -> Result<HashMap<String, String>, String> {

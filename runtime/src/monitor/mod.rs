@@ -75,7 +75,8 @@ pub(crate) struct Reaped {
 
 pub(crate) struct State {
     pub opts: Options,
-    pub infra_pid: Pid,
+    /// PID 1 of the pod's PID namespace, when the pod has one.
+    pub infra_pid: Option<Pid>,
     pub ns_paths: HashMap<String, String>,
     pub containers: HashMap<String, Ctr>,
     pub reaped: Reaped,
@@ -156,7 +157,7 @@ pub(crate) fn reap(state: &Shared) {
         };
         let Some(pid) = ws.pid() else { continue };
         let mut st = state.lock().expect("monitor state poisoned");
-        if pid == st.infra_pid {
+        if Some(pid) == st.infra_pid {
             tracing::error!(pod = %st.opts.pod_id, "the pod's infra process exited; its namespaces stay pinned");
             continue;
         }

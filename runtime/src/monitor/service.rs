@@ -64,10 +64,44 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), Status> {
     nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| err("pipe", e))
 }
 
-/// Copies a pipe into the container's log until the writer side closes.
+/// Reads a pipe or a pty master without blocking the monitor. A pty master reports EIO once
+/// the last slave closes: that is its end of file.
+struct FdReader(tokio::io::unix::AsyncFd<OwnedFd>);
+
+impl FdReader {
+    fn new(fd: OwnedFd) -> Result<Self, Status> {
+        use std::os::fd::AsRawFd;
+        nix::fcntl::fcntl(
+            fd.as_raw_fd(),
+            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+        )
+        .map_err(|e| err("set O_NONBLOCK", e))?;
+        // SAFETY: an OwnedFd is valid and stays the same fd until the AsyncFd drops it.
+        let fd = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| err("register fd", e.into_parts().1))?;
+        Ok(FdReader(fd))
+    }
+
+    async fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let mut guard = self.0.readable().await?;
+            match guard.try_io(|fd| {
+                use std::os::fd::AsRawFd;
+                nix::unistd::read(fd.get_ref().as_raw_fd(), buf).map_err(std::io::Error::from)
+            }) {
+                Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Ok(0),
+                Ok(r) => return r,
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+/// Copies a pipe (or a TTY's master) into the container's log until the writer side closes.
 fn pump(fd: OwnedFd, log: Arc<Mutex<LogWriter>>, stream: Stream) -> Result<(), Status> {
-    let mut rx =
-        tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(|e| err("log pipe", e))?;
+    let mut rx = FdReader::new(fd)?;
     tokio::spawn(async move {
         let mut buf = vec![0u8; 32 * 1024];
         loop {
@@ -103,6 +137,70 @@ fn collect(fd: OwnedFd) -> Result<tokio::task::JoinHandle<Vec<u8>>, Status> {
         }
         out
     }))
+}
+
+/// The socket a TTY container's init sends its pty master on.
+struct ConsoleSocket {
+    listener: std::os::unix::net::UnixListener,
+    /// Kept open: `path` names the socket through it (see `short_socket_path`).
+    _dir: std::fs::File,
+    path: PathBuf,
+    real: PathBuf,
+}
+
+impl ConsoleSocket {
+    fn bind(dir: &std::path::Path) -> Result<Self, Status> {
+        std::fs::create_dir_all(dir).map_err(|e| err(format!("create {}", dir.display()), e))?;
+        let real = dir.join("console.sock");
+        let _ = std::fs::remove_file(&real);
+        let (dir_fd, path) = super::short_socket_path(&real)
+            .map_err(|e| err(format!("open {}", dir.display()), e))?;
+        let listener = std::os::unix::net::UnixListener::bind(&path)
+            .map_err(|e| err(format!("bind console socket {}", real.display()), e))?;
+        Ok(ConsoleSocket {
+            listener,
+            _dir: dir_fd,
+            path,
+            real,
+        })
+    }
+
+    /// The pty master, once the container's init has sent it (it did before create returned).
+    fn receive(self) -> Result<OwnedFd, Status> {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        self.listener
+            .set_nonblocking(true)
+            .map_err(|e| err("console socket", e))?;
+        let result = (|| {
+            let (conn, _) = self
+                .listener
+                .accept()
+                .map_err(|e| err("the container sent no terminal", e))?;
+            let mut name = [0u8; 64];
+            let mut iov = [std::io::IoSliceMut::new(&mut name)];
+            let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+            let msg = nix::sys::socket::recvmsg::<()>(
+                conn.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg),
+                nix::sys::socket::MsgFlags::MSG_CMSG_CLOEXEC,
+            )
+            .map_err(|e| err("receive the container's terminal", e))?;
+            for c in msg.cmsgs().map_err(|e| err("terminal message", e))? {
+                if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = c {
+                    if let Some(fd) = fds.first() {
+                        // SAFETY: SCM_RIGHTS just gave this process the fd; nothing else owns it.
+                        return Ok(unsafe { OwnedFd::from_raw_fd(*fd) });
+                    }
+                }
+            }
+            Err(Status::internal(
+                "the container's terminal message carried no fd",
+            ))
+        })();
+        let _ = std::fs::remove_file(&self.real);
+        result
+    }
 }
 
 /// Runs a libcontainer create or exec in a forked helper and returns the new process's pid.
@@ -223,6 +321,10 @@ impl Svc {
         self.state.lock().expect("state").opts.youki_root()
     }
 
+    fn container_dir(&self, id: &str) -> PathBuf {
+        self.state.lock().expect("state").opts.container_dir(id)
+    }
+
     fn load(&self, id: &str) -> Result<Container, Status> {
         Container::load(self.youki_root().join(id))
             .map_err(|e| lc_err(format!("load container {id}"), e))
@@ -262,11 +364,6 @@ impl Monitor for Svc {
         req: Request<pb::CreateContainerRequest>,
     ) -> Result<Response<pb::CreateContainerResponse>, Status> {
         let req = req.into_inner();
-        if req.tty {
-            return Err(Status::unimplemented(
-                "TTY containers are not implemented yet",
-            ));
-        }
         if self
             .state
             .lock()
@@ -290,10 +387,19 @@ impl Monitor for Svc {
         let root = self.youki_root();
         let id = req.id.clone();
         let stdin = devnull()?;
+        // A TTY container's init opens a pty in its own devpts and sends the master back
+        // over this socket; its output then all reaches the log as stdout.
+        let console = if req.tty {
+            Some(ConsoleSocket::bind(&self.container_dir(&req.id))?)
+        } else {
+            None
+        };
+        let console_path = console.as_ref().map(|c| c.path.clone());
         let pid = in_helper(&self.state, move || {
             let c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_root_path(root)
                 .map_err(|e| lc_err("state root", e))?
+                .with_console_socket(console_path)
                 .with_stdin(stdin)
                 .with_stdout(out_w)
                 .with_stderr(err_w)
@@ -305,8 +411,18 @@ impl Monitor for Svc {
             c.pid()
                 .ok_or_else(|| Status::internal("created container has no pid"))
         })?;
-        pump(out_r, log.clone(), Stream::Stdout)?;
-        pump(err_r, log.clone(), Stream::Stderr)?;
+        match console {
+            Some(console) => {
+                let master = console.receive().inspect_err(|_| {
+                    let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+                })?;
+                pump(master, log.clone(), Stream::Stdout)?;
+            }
+            None => {
+                pump(out_r, log.clone(), Stream::Stdout)?;
+                pump(err_r, log.clone(), Stream::Stderr)?;
+            }
+        }
         let mut st = self.state.lock().expect("state");
         st.containers.insert(
             req.id.clone(),
@@ -359,8 +475,9 @@ impl Monitor for Svc {
 
     async fn signal(&self, req: Request<pb::SignalRequest>) -> Result<Response<pb::Empty>, Status> {
         let req = req.into_inner();
-        let sig = Signal::try_from(req.signal)
-            .map_err(|_| Status::invalid_argument(format!("signal {}", req.signal)))?;
+        if !(1..=libc::SIGRTMAX()).contains(&req.signal) {
+            return Err(Status::invalid_argument(format!("signal {}", req.signal)));
+        }
         let (pid, phase) = {
             let st = self.state.lock().expect("state");
             let c = st.containers.get(&req.id).ok_or_else(|| {
@@ -373,13 +490,20 @@ impl Monitor for Svc {
             return Ok(Response::new(pb::Empty {}));
         }
         if req.all {
+            let sig = Signal::try_from(req.signal).map_err(|_| {
+                Status::invalid_argument(format!("signal {} to every process", req.signal))
+            })?;
             let mut c = self.load(&req.id)?;
             c.kill(sig, true)
                 .map_err(|e| lc_err(format!("signal container {}", req.id), e))?;
         } else {
-            match nix::sys::signal::kill(pid, sig) {
-                Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
-                Err(e) => return Err(err(format!("signal container {}", req.id), e)),
+            // Raw kill: images may name real-time signals (SIGRTMIN+3) that nix's enum lacks.
+            // SAFETY: kill(2) with a pid this monitor reaps and has not reaped yet.
+            if unsafe { libc::kill(pid.as_raw(), req.signal) } != 0 {
+                let e = nix::errno::Errno::last();
+                if e != nix::errno::Errno::ESRCH {
+                    return Err(err(format!("signal container {}", req.id), e));
+                }
             }
         }
         Ok(Response::new(pb::Empty {}))
@@ -669,7 +793,9 @@ async fn teardown(state: &Shared) {
             let _ = c.delete(true);
         }
     }
-    let _ = nix::sys::signal::kill(infra_pid, Signal::SIGKILL);
+    if let Some(pid) = infra_pid {
+        let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+    }
     // Give the reaper a moment so exits get recorded.
     for _ in 0..50 {
         reap(state);
@@ -684,6 +810,8 @@ async fn teardown(state: &Shared) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let _ = nix::sys::wait::waitpid(infra_pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+    if let Some(pid) = infra_pid {
+        let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+    }
     infra::unpin(&dir);
 }
