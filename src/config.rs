@@ -55,8 +55,16 @@ pub struct RuntimeConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct CniConfig {
+    /// Network configurations; the first `.conflist`/`.conf`/`.json` in lexical order is used,
+    /// read again for every pod (changes apply without a restart).
     pub conf_dir: PathBuf,
+    /// Where plugin binaries are looked up, in order.
     pub bin_dirs: Vec<PathBuf>,
+    /// Use the configuration with this network name instead of the first file.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network_name: Option<String>,
+    /// A plugin that has not answered after this long is killed and its call fails.
+    pub plugin_timeout_secs: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -112,6 +120,8 @@ impl Default for CniConfig {
         CniConfig {
             conf_dir: "/etc/cni/net.d".into(),
             bin_dirs: vec!["/opt/cni/bin".into(), "/usr/lib/cni".into()],
+            network_name: None,
+            plugin_timeout_secs: 60,
         }
     }
 }

@@ -6,7 +6,7 @@
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::UnixListener;
@@ -23,7 +23,7 @@ pub struct Daemon {
     pub config: Config,
     pub images: Images,
     pub runtime: crate::pods::Runtime,
-    pod_cidr: Mutex<String>,
+    pub network: Arc<crate::network::Network>,
 }
 
 /// One `Status` condition.
@@ -55,39 +55,47 @@ impl Daemon {
             config.image.clone(),
         )
         .await?;
+        let network = Arc::new(crate::network::Network::new(&config.cni, &config.root));
         let runtime = crate::pods::Runtime::new(
             store,
             images.clone(),
             &config.state,
             &config.root,
             config.runtime.restrict_oom_score_adj,
+            network.clone(),
         );
         runtime.reconcile().await?;
         Ok(Daemon {
             config,
             images,
             runtime,
-            pod_cidr: Mutex::new(String::new()),
+            network,
         })
     }
 
-    /// What `Status` reports. Pods run (RuntimeReady); CNI is not built yet, so pods have
-    /// loopback only and NetworkReady says so.
-    pub fn health(&self) -> Health {
+    /// What `Status` reports: pods run (RuntimeReady); NetworkReady is whether a CNI
+    /// configuration is there with its plugins (and, for CNI 1.1, their STATUS), with the
+    /// cause when not.
+    pub async fn health(&self) -> Health {
+        let network = match self.network.cni.ready().await {
+            Ok(()) => Condition {
+                ready: true,
+                reason: String::new(),
+                message: String::new(),
+            },
+            Err(e) => Condition {
+                ready: false,
+                reason: "NetworkPluginNotReady".into(),
+                message: crate::error::chain(&e),
+            },
+        };
         Health {
             runtime: Condition {
                 ready: true,
                 reason: String::new(),
                 message: String::new(),
             },
-            network: Condition {
-                ready: false,
-                reason: "NetworkPluginNotReady".into(),
-                message: format!(
-                    "CNI networking is not implemented yet (config dir {}): pods get loopback only",
-                    self.config.cni.conf_dir.display()
-                ),
-            },
+            network,
         }
     }
 
@@ -96,7 +104,7 @@ impl Daemon {
     }
 
     pub fn set_pod_cidr(&self, cidr: String) {
-        *self.pod_cidr.lock().expect("pod cidr poisoned") = cidr;
+        self.network.set_pod_cidr(cidr);
     }
 }
 

@@ -25,6 +25,7 @@ use hako_runtime::spec::{self, ContainerSpec, Ns};
 
 use crate::error::{chain, Error, Result};
 use crate::image::Images;
+use crate::network::{Network, IFNAME};
 use crate::store::{Store, Table, RECORD_VERSION};
 use monitor_client::MonitorClient;
 pub use types::*;
@@ -81,6 +82,7 @@ pub struct Runtime {
     oom_floor: Option<i32>,
     /// Last CPU reading per container (time, cumulative ns), for usage rates.
     cpu_samples: std::sync::Mutex<HashMap<String, (i64, u64)>>,
+    network: Arc<Network>,
 }
 
 /// Resource usage of a container, as the stats RPCs report it.
@@ -139,6 +141,7 @@ impl Runtime {
         state_dir: &Path,
         root_dir: &Path,
         restrict_oom_score_adj: bool,
+        network: Arc<Network>,
     ) -> Runtime {
         let cap_limit = spec::own_bounding_set();
         Runtime {
@@ -151,6 +154,7 @@ impl Runtime {
             name_locks: tokio::sync::Mutex::new(HashMap::new()),
             cap_limit,
             cpu_samples: std::sync::Mutex::new(HashMap::new()),
+            network,
         }
     }
 
@@ -365,6 +369,17 @@ impl Runtime {
         let client = MonitorClient::new(dir.join("monitor.sock"));
         let recorded = async {
             let info = client.info().await?;
+            let namespaces: BTreeMap<String, String> = info.namespaces.into_iter().collect();
+            let ips = match namespaces.get("network") {
+                Some(netns) => {
+                    let att = self.network.attachment(&id, Path::new(netns), &spec);
+                    self.network
+                        .attach(&att)
+                        .await
+                        .map_err(|e| e.context(format!("network of pod {}", spec.name)))?
+                }
+                None => Vec::new(),
+            };
             let record = PodRecord {
                 v: RECORD_VERSION,
                 id: id.clone(),
@@ -372,9 +387,13 @@ impl Runtime {
                 state: PodState::Ready,
                 created_at: now_nanos(),
                 monitor_pid: pid,
-                namespaces: info.namespaces.into_iter().collect(),
+                namespaces,
+                ips,
             };
-            self.store.put(Table::Pods, &id, &record)?;
+            if let Err(e) = self.store.put(Table::Pods, &id, &record) {
+                let _ = self.network.cni.del(&id, IFNAME).await;
+                return Err(e);
+            }
             Ok::<_, Error>(record)
         }
         .await;
@@ -404,7 +423,8 @@ impl Runtime {
             Err(e) => return Err(e),
         };
         if pod.state == PodState::NotReady {
-            return Ok(());
+            // Its monitor may have died before the network was torn down.
+            return self.detach(&pod).await;
         }
         let containers = self.containers_of(&pod.id)?;
         let monitor = self.monitor(&pod);
@@ -449,6 +469,9 @@ impl Runtime {
             }
             let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
         }
+        // Before the namespace goes: plugins clean up inside it. A failure fails the stop
+        // (kubelet retries it) rather than leak an IP lease.
+        self.detach(&pod).await?;
         monitor.shutdown().await;
         self.monitors
             .lock()
@@ -458,6 +481,15 @@ impl Runtime {
         self.store.put(Table::Pods, &pod.id, &pod)?;
         tracing::info!(pod = %pod.id, "pod sandbox stopped");
         Ok(())
+    }
+
+    /// CNI DEL of the pod's attachment, from the cached ADD result (nothing when it has none).
+    async fn detach(&self, pod: &PodRecord) -> Result<()> {
+        self.network
+            .cni
+            .del(&pod.id, IFNAME)
+            .await
+            .map_err(|e| e.context(format!("tear down the network of pod {}", pod.id)))
     }
 
     /// RemovePodSandbox: stops it if needed, removes its containers and files. Idempotent.
@@ -568,7 +600,37 @@ impl Runtime {
                 self.check_monitor(&pod, &e)?;
             }
         }
+        self.network_gc().await;
         Ok(())
+    }
+
+    /// Attachments no pod owns (a pod removed while its DEL failed, state lost) are deleted;
+    /// with CNI 1.1 the plugins are also told which attachments are valid. Failures are logged:
+    /// they must not keep the daemon from starting.
+    async fn network_gc(&self) {
+        let pods: HashMap<String, PodRecord> = match self.pods() {
+            Ok(p) => p.into_iter().map(|p| (p.id.clone(), p)).collect(),
+            Err(_) => return,
+        };
+        let mut valid = Vec::new();
+        for c in self.network.cni.cached() {
+            let id = c.attachment.container_id.clone();
+            if pods.contains_key(&id) {
+                valid.push((id, c.attachment.ifname.clone()));
+                continue;
+            }
+            match self.network.cni.del_cached(&c).await {
+                Ok(()) => {
+                    tracing::info!(pod = %id, "released the network of a pod that no longer exists")
+                }
+                Err(e) => tracing::warn!(pod = %id, error = %chain(&e), "network GC: DEL failed"),
+            }
+        }
+        if let Err(e) = self.network.cni.gc(&valid).await {
+            if !matches!(e, Error::FailedPrecondition(_)) {
+                tracing::warn!(error = %chain(&e), "CNI GC");
+            }
+        }
     }
 
     fn containers_of(&self, pod_id: &str) -> Result<Vec<ContainerRecord>> {

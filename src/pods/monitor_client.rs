@@ -14,16 +14,22 @@ use crate::error::{Error, Result};
 /// Starts `hako monitor` for a pod, detached in its own session, and waits for it to report
 /// ready (or the error that stopped it). Returns its pid.
 pub async fn spawn(opts: &Options) -> Result<u32> {
-    let exe =
-        std::env::current_exe().map_err(|e| Error::Internal(format!("own executable: {e}")))?;
+    // Executed through /proc/self/exe: the daemon's own image even when a package upgrade
+    // has replaced the file (its path then no longer names it), so daemon and monitor always
+    // speak the same protocol. argv[0] keeps the path for ps and for the orphan search.
+    let name = std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| "hako".into());
+    let name = name.trim_end_matches(" (deleted)").to_string();
     let json = serde_json::to_string(opts).expect("options serialize");
     let log_path = opts.dir.join("monitor.log");
     let log = std::fs::File::create(&log_path).map_err(|e| Error::io("create", &log_path, e))?;
     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| Error::Internal(format!("pipe: {e}")))?;
     let wfd = w.as_raw_fd();
-    let mut cmd = tokio::process::Command::new(exe);
-    cmd.arg("monitor")
+    let mut cmd = tokio::process::Command::new("/proc/self/exe");
+    cmd.arg0(name)
+        .arg("monitor")
         .arg("--options")
         .arg(json)
         .stdin(std::process::Stdio::null())

@@ -81,6 +81,9 @@ pub struct PodRecord {
     pub monitor_pid: u32,
     /// Namespace paths containers join, by kind ("network", "ipc", "uts", "pid").
     pub namespaces: BTreeMap<String, String>,
+    /// The pod's IPs from its CNI attachment, IPv4 first; empty with the host's network.
+    #[serde(default)]
+    pub ips: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]

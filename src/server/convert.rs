@@ -108,7 +108,15 @@ pub fn pod_status(p: &PodRecord) -> cri::PodSandboxStatus {
         metadata: Some(pod_metadata(&p.spec)),
         state: pod_state(p.state),
         created_at: p.created_at,
-        network: Some(cri::PodSandboxNetworkStatus::default()),
+        network: Some(cri::PodSandboxNetworkStatus {
+            ip: p.ips.first().cloned().unwrap_or_default(),
+            additional_ips: p
+                .ips
+                .iter()
+                .skip(1)
+                .map(|ip| cri::PodIp { ip: ip.clone() })
+                .collect(),
+        }),
         linux: Some(cri::LinuxPodSandboxStatus {
             namespaces: Some(cri::Namespace {
                 options: Some(cri::NamespaceOption {

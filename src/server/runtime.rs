@@ -53,7 +53,7 @@ impl RuntimeService for Runtime {
         req: Request<cri::StatusRequest>,
     ) -> Result<Response<cri::StatusResponse>, Status> {
         tracing::debug!(rpc = "Status");
-        let health = self.daemon.health();
+        let health = self.daemon.health().await;
         let cond = |t: &str, c: &crate::daemon::Condition| cri::RuntimeCondition {
             r#type: t.into(),
             status: c.ready,

@@ -33,10 +33,32 @@ impl Hako {
         std::fs::create_dir_all(&certs_d).unwrap();
         let socket = dir.path().join("hako.sock");
         let config = dir.path().join("config.toml");
+        // Hermetic unless the test configures CNI itself: a loopback-only network of the
+        // test's own (the node's /etc/cni/net.d is not the test's business).
+        let cni = if extra.contains("[cni]") {
+            String::new()
+        } else {
+            let conf_dir = dir.path().join("cni");
+            std::fs::create_dir_all(&conf_dir).unwrap();
+            std::fs::write(
+                conf_dir.join("99-loopback.conflist"),
+                r#"{"cniVersion": "1.0.0", "name": "loopback-only", "plugins": [{"type": "loopback"}]}"#,
+            )
+            .unwrap();
+            let bins: Vec<String> = super::cni::PLUGIN_DIRS
+                .iter()
+                .map(|d| format!("\"{d}\""))
+                .collect();
+            format!(
+                "[cni]\nconf_dir = \"{}\"\nbin_dirs = [{}]\n",
+                conf_dir.display(),
+                bins.join(", ")
+            )
+        };
         std::fs::write(
             &config,
             format!(
-                "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n{extra}\n[registry]\nconfig_path = \"{}\"\n",
+                "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n{extra}\n{cni}[registry]\nconfig_path = \"{}\"\n",
                 socket.display(),
                 root.display(),
                 dir.path().join(state).display(),

@@ -1,6 +1,8 @@
 //! Test support for end-to-end tests against a real hako, a real registry and real CRI tools.
 #![allow(dead_code)]
 
+pub mod cni;
+pub mod cri;
 pub mod hako;
 pub mod oci;
 pub mod proxy;

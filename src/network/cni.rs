@@ -1,0 +1,491 @@
+//! A CNI client (spec up to 1.1): network configuration from a directory, plugins executed
+//! from the configured binary directories with the CNI environment and JSON on stdin.
+//!
+//! The configuration is read again on every use, so a change in the directory applies to the
+//! next pod without a restart. Each ADD result is cached on disk with the configuration it
+//! was made with: DEL and CHECK use exactly that, after a daemon restart, after the directory
+//! changed, and when the network namespace is already gone.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+
+use crate::error::{Error, Result};
+
+/// A network configuration list, as loaded from `conf_dir`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NetworkConfig {
+    pub name: String,
+    pub cni_version: String,
+    pub plugins: Vec<Value>,
+    pub disable_check: bool,
+    /// The file it came from.
+    pub source: PathBuf,
+}
+
+/// One pod's attachment to the network.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Attachment {
+    pub container_id: String,
+    pub netns: PathBuf,
+    pub ifname: String,
+    /// CNI_ARGS pairs.
+    pub args: Vec<(String, String)>,
+    /// Everything the runtime can offer; each plugin gets the keys its `capabilities` names.
+    pub runtime_config: Value,
+}
+
+/// What is cached per attachment: enough to DEL it with no other state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Cached {
+    pub config: NetworkConfig,
+    pub attachment: Attachment,
+    pub result: Value,
+}
+
+pub struct Cni {
+    pub conf_dir: PathBuf,
+    pub bin_dirs: Vec<PathBuf>,
+    /// Where ADD results are kept (persistent: IPAM leases outlive reboots).
+    pub cache_dir: PathBuf,
+    /// Use the configuration of this name rather than the first file.
+    pub network_name: Option<String>,
+    pub plugin_timeout: Duration,
+}
+
+/// `a` >= `b` for dotted versions ("0.4.0", "1.1.0").
+pub fn version_at_least(a: &str, b: &str) -> bool {
+    let parse = |v: &str| -> Vec<u64> { v.split('.').map(|p| p.parse().unwrap_or(0)).collect() };
+    parse(a) >= parse(b)
+}
+
+/// Parses one configuration file: a `.conflist`, or a single-plugin `.conf`/`.json`.
+pub fn parse_config(path: &Path, text: &str) -> std::result::Result<NetworkConfig, String> {
+    let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    let name = v["name"]
+        .as_str()
+        .filter(|n| !n.is_empty())
+        .ok_or("no network name")?
+        .to_string();
+    let cni_version = v["cniVersion"].as_str().unwrap_or("0.2.0").to_string();
+    let plugins = match v.get("plugins") {
+        Some(Value::Array(p)) => p.clone(),
+        Some(_) => return Err("plugins is not a list".into()),
+        None if v.get("type").is_some() => vec![v.clone()],
+        None => return Err("neither plugins nor type".into()),
+    };
+    if plugins.is_empty() {
+        return Err("no plugins".into());
+    }
+    for (i, p) in plugins.iter().enumerate() {
+        if p["type"].as_str().is_none_or(str::is_empty) {
+            return Err(format!("plugins[{i}] has no type"));
+        }
+    }
+    Ok(NetworkConfig {
+        name,
+        cni_version,
+        plugins,
+        disable_check: v["disableCheck"].as_bool().unwrap_or(false),
+        source: path.to_path_buf(),
+    })
+}
+
+impl Cni {
+    /// The network configuration in use: the one named, else the first valid file in lexical
+    /// order. Files that do not parse are logged and passed over, as libcni does.
+    pub fn load(&self) -> Result<NetworkConfig> {
+        let mut files: Vec<PathBuf> = match std::fs::read_dir(&self.conf_dir) {
+            Ok(rd) => rd
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    matches!(
+                        p.extension().and_then(|e| e.to_str()),
+                        Some("conf" | "conflist" | "json")
+                    )
+                })
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(Error::io("read CNI config dir", &self.conf_dir, e)),
+        };
+        files.sort();
+        for f in &files {
+            let Ok(text) = std::fs::read_to_string(f) else {
+                continue;
+            };
+            match parse_config(f, &text) {
+                Ok(c) => {
+                    if self.network_name.as_ref().is_none_or(|n| *n == c.name) {
+                        return Ok(c);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(file = %f.display(), error = %e, "invalid CNI network config")
+                }
+            }
+        }
+        Err(Error::FailedPrecondition(match &self.network_name {
+            Some(n) => format!(
+                "no CNI network config named {n:?} in {}",
+                self.conf_dir.display()
+            ),
+            None => format!("no CNI network config in {}", self.conf_dir.display()),
+        }))
+    }
+
+    fn find_plugin(&self, kind: &str) -> Result<PathBuf> {
+        if kind.contains('/') {
+            return Err(Error::InvalidArgument(format!(
+                "CNI plugin type {kind:?} is not a plain name"
+            )));
+        }
+        self.bin_dirs
+            .iter()
+            .map(|d| d.join(kind))
+            .find(|p| p.is_file())
+            .ok_or_else(|| {
+                Error::FailedPrecondition(format!(
+                    "CNI plugin {kind} not found in {}",
+                    self.bin_dirs
+                        .iter()
+                        .map(|d| d.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })
+    }
+
+    /// Whether the network can take pods: a config, its plugins present, and (CNI 1.1) every
+    /// plugin's STATUS answering success. The error says why not.
+    pub async fn ready(&self) -> Result<()> {
+        let cfg = self.load()?;
+        for p in &cfg.plugins {
+            self.find_plugin(p["type"].as_str().unwrap_or_default())?;
+        }
+        if version_at_least(&cfg.cni_version, "1.1.0") {
+            for p in &cfg.plugins {
+                self.exec(&cfg, p, "STATUS", None, None).await?;
+            }
+        }
+        Ok(())
+    }
+
+    fn cache_path(&self, container_id: &str, ifname: &str) -> PathBuf {
+        self.cache_dir.join(format!("{container_id}-{ifname}.json"))
+    }
+
+    /// Every cached attachment (for GC at start).
+    pub fn cached(&self) -> Vec<Cached> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(&self.cache_dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            match std::fs::read(e.path()).map(|b| serde_json::from_slice::<Cached>(&b)) {
+                Ok(Ok(c)) => out.push(c),
+                _ => {
+                    tracing::warn!(file = %e.path().display(), "unreadable CNI result cache entry")
+                }
+            }
+        }
+        out
+    }
+
+    pub fn cached_for(&self, container_id: &str, ifname: &str) -> Option<Cached> {
+        std::fs::read(self.cache_path(container_id, ifname))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+    }
+
+    /// ADD through every plugin of the list. On failure the plugins already run are undone
+    /// (DEL) and nothing is cached.
+    pub async fn add(&self, att: &Attachment) -> Result<Cached> {
+        let cfg = self.load()?;
+        // Cached before the first plugin runs: if the daemon dies midway, DEL still knows
+        // what to undo.
+        let mut cached = Cached {
+            config: cfg.clone(),
+            attachment: att.clone(),
+            result: Value::Null,
+        };
+        self.save(&cached)?;
+        let mut prev: Option<Value> = None;
+        for p in &cfg.plugins {
+            match self.exec(&cfg, p, "ADD", Some(att), prev.as_ref()).await {
+                Ok(r) => prev = Some(r),
+                Err(e) => {
+                    if let Err(d) = self.del_cached(&cached).await {
+                        tracing::warn!(pod = %att.container_id, error = %crate::error::chain(&d), "DEL after a failed ADD");
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        cached.result = prev.unwrap_or(Value::Null);
+        self.save(&cached)?;
+        Ok(cached)
+    }
+
+    fn save(&self, c: &Cached) -> Result<()> {
+        std::fs::create_dir_all(&self.cache_dir)
+            .map_err(|e| Error::io("create directory", &self.cache_dir, e))?;
+        let path = self.cache_path(&c.attachment.container_id, &c.attachment.ifname);
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec(c).expect("cache entry serializes"))
+            .map_err(|e| Error::io("write", &tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))
+    }
+
+    /// DEL of a cached attachment, plugins in reverse order, with the configuration ADD used.
+    /// Every plugin runs even when one fails; the cache entry goes only when all succeeded.
+    pub async fn del_cached(&self, c: &Cached) -> Result<()> {
+        let prev = (!c.result.is_null()).then_some(&c.result);
+        let mut first_err = None;
+        for p in c.config.plugins.iter().rev() {
+            if let Err(e) = self
+                .exec(&c.config, p, "DEL", Some(&c.attachment), prev)
+                .await
+            {
+                first_err.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let path = self.cache_path(&c.attachment.container_id, &c.attachment.ifname);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(Error::io("remove", &path, e))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// DEL of the pod's attachment, if it has one.
+    pub async fn del(&self, container_id: &str, ifname: &str) -> Result<()> {
+        match self.cached_for(container_id, ifname) {
+            Some(c) => self.del_cached(&c).await,
+            None => Ok(()),
+        }
+    }
+
+    /// CHECK of a cached attachment (CNI 0.4.0 and later, unless the list disables it).
+    pub async fn check(&self, c: &Cached) -> Result<()> {
+        if c.config.disable_check || !version_at_least(&c.config.cni_version, "0.4.0") {
+            return Ok(());
+        }
+        for p in &c.config.plugins {
+            self.exec(&c.config, p, "CHECK", Some(&c.attachment), Some(&c.result))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// CNI 1.1 GC: plugins release whatever is not one of `valid` (container id, ifname).
+    pub async fn gc(&self, valid: &[(String, String)]) -> Result<()> {
+        let cfg = self.load()?;
+        if !version_at_least(&cfg.cni_version, "1.1.0") {
+            return Ok(());
+        }
+        let list: Vec<Value> = valid
+            .iter()
+            .map(|(id, ifname)| json!({"containerID": id, "ifname": ifname}))
+            .collect();
+        for p in &cfg.plugins {
+            let mut p = p.clone();
+            p["cni.dev/valid-attachments"] = json!(list);
+            self.exec(&cfg, &p, "GC", None, None).await?;
+        }
+        Ok(())
+    }
+
+    /// Runs one plugin. Errors name the plugin, the command, the plugin's message and stderr.
+    async fn exec(
+        &self,
+        cfg: &NetworkConfig,
+        plugin: &Value,
+        command: &str,
+        att: Option<&Attachment>,
+        prev: Option<&Value>,
+    ) -> Result<Value> {
+        let kind = plugin["type"].as_str().unwrap_or_default().to_string();
+        let bin = self.find_plugin(&kind)?;
+        let mut conf = plugin.clone();
+        conf["name"] = json!(cfg.name);
+        conf["cniVersion"] = json!(cfg.cni_version);
+        if let Some(prev) = prev {
+            conf["prevResult"] = prev.clone();
+        }
+        if let Some(att) = att {
+            let mut rc = serde_json::Map::new();
+            if let Some(caps) = plugin["capabilities"].as_object() {
+                for (k, on) in caps {
+                    if on.as_bool() == Some(true) {
+                        if let Some(v) = att.runtime_config.get(k) {
+                            rc.insert(k.clone(), v.clone());
+                        }
+                    }
+                }
+            }
+            if !rc.is_empty() {
+                conf["runtimeConfig"] = Value::Object(rc);
+            }
+        }
+        let path_var = self
+            .bin_dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(":");
+        let mut cmd = tokio::process::Command::new(&bin);
+        cmd.env_clear()
+            .env(
+                "PATH",
+                std::env::var("PATH").unwrap_or_else(|_| "/usr/sbin:/usr/bin:/sbin:/bin".into()),
+            )
+            .env("CNI_COMMAND", command)
+            .env("CNI_PATH", &path_var)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(att) = att {
+            let args = att
+                .args
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(";");
+            cmd.env("CNI_CONTAINERID", &att.container_id)
+                .env("CNI_NETNS", &att.netns)
+                .env("CNI_IFNAME", &att.ifname)
+                .env("CNI_ARGS", args);
+        }
+        let what = format!("CNI plugin {kind} ({command}, network {})", cfg.name);
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| Error::Internal(format!("{what}: run {}: {e}", bin.display())))?;
+        let input = serde_json::to_vec(&conf).expect("plugin config serializes");
+        let mut stdin = child.stdin.take().expect("piped stdin");
+        let run = async {
+            // A plugin may exit without reading its stdin; that is its answer, not ours to fail.
+            let _ = stdin.write_all(&input).await;
+            drop(stdin);
+            child.wait_with_output().await
+        };
+        let out = match tokio::time::timeout(self.plugin_timeout, run).await {
+            Ok(Ok(out)) => out,
+            Ok(Err(e)) => return Err(Error::Internal(format!("{what}: {e}"))),
+            Err(_) => {
+                return Err(Error::DeadlineExceeded(format!(
+                    "{what}: no answer after {} s; killed",
+                    self.plugin_timeout.as_secs()
+                )))
+            }
+        };
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.success() {
+            if stdout.trim().is_empty() {
+                return Ok(Value::Null);
+            }
+            return serde_json::from_str(&stdout).map_err(|e| {
+                Error::Internal(format!("{what}: unreadable result ({e}): {stdout}"))
+            });
+        }
+        let detail = match serde_json::from_str::<Value>(&stdout) {
+            Ok(v) if v.get("msg").is_some() => {
+                let mut m = v["msg"].as_str().unwrap_or_default().to_string();
+                if let Some(d) = v["details"].as_str().filter(|d| !d.is_empty()) {
+                    m.push_str(": ");
+                    m.push_str(d);
+                }
+                format!("{m} (code {})", v["code"])
+            }
+            _ => format!("{}, output {:?}", out.status, stdout.trim()),
+        };
+        let mut msg = format!("{what} failed: {detail}");
+        if !stderr.trim().is_empty() {
+            msg.push_str(&format!("; stderr: {}", stderr.trim()));
+        }
+        Err(Error::Internal(msg))
+    }
+}
+
+/// The pod's IPs from an ADD result: the addresses on the sandbox interface named `ifname`
+/// (as containerd picks them), IPv4 first, without prefix length. A result that names no
+/// interfaces (older plugins) gives all its addresses.
+pub fn pod_ips(result: &Value, ifname: &str) -> Vec<String> {
+    let ifaces = result["interfaces"].as_array().cloned().unwrap_or_default();
+    let mut ips: Vec<String> = result["ips"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|ip| match ip["interface"].as_u64() {
+            Some(i) => ifaces.get(i as usize).is_some_and(|f| {
+                f["name"] == ifname && f["sandbox"].as_str().is_some_and(|s| !s.is_empty())
+            }),
+            None => ifaces.is_empty(),
+        })
+        .filter_map(|ip| ip["address"].as_str())
+        .map(|a| a.split('/').next().unwrap_or(a).to_string())
+        .collect();
+    ips.sort_by_key(|ip| ip.contains(':'));
+    ips
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_files_parse_with_their_cause_on_error() {
+        let p = Path::new("/x/10-a.conflist");
+        let c = parse_config(
+            p,
+            r#"{"cniVersion":"1.0.0","name":"n","plugins":[{"type":"bridge"},{"type":"portmap"}]}"#,
+        )
+        .unwrap();
+        assert_eq!((c.name.as_str(), c.plugins.len()), ("n", 2));
+        let single = parse_config(p, r#"{"cniVersion":"0.4.0","name":"s","type":"ptp"}"#).unwrap();
+        assert_eq!(single.plugins[0]["type"], "ptp");
+        assert!(parse_config(p, r#"{"name":"n","plugins":[]}"#)
+            .unwrap_err()
+            .contains("no plugins"));
+        assert!(parse_config(p, r#"{"name":"n","plugins":[{"x":1}]}"#)
+            .unwrap_err()
+            .contains("plugins[0] has no type"));
+        assert!(parse_config(p, "{").unwrap_err().contains("not JSON"));
+    }
+
+    #[test]
+    fn pod_ips_come_from_sandbox_interfaces_ipv4_first() {
+        let r = json!({
+            "interfaces": [{"name": "cni0"}, {"name": "veth1"}, {"name": "eth0", "sandbox": "/var/run/netns/x"}],
+            "ips": [
+                {"address": "fd00::5/64", "interface": 2},
+                {"address": "10.1.0.1/24", "interface": 0},
+                {"address": "10.1.0.5/24", "interface": 2}
+            ]
+        });
+        assert_eq!(pod_ips(&r, "eth0"), vec!["10.1.0.5", "fd00::5"]);
+        // The loopback plugin's result: an address, but not the pod's.
+        let lo = json!({
+            "interfaces": [{"name": "lo", "sandbox": "/x"}],
+            "ips": [{"address": "127.0.0.1/8", "interface": 0}]
+        });
+        assert!(pod_ips(&lo, "eth0").is_empty());
+    }
+
+    #[test]
+    fn versions_compare_numerically() {
+        assert!(version_at_least("1.1.0", "1.1.0"));
+        assert!(version_at_least("0.10.0", "0.4.0"));
+        assert!(!version_at_least("1.0.0", "1.1.0"));
+    }
+}

@@ -1,0 +1,350 @@
+//! Pod networks end to end: a real hako runs Debian's CNI plugins (bridge, host-local,
+//! portmap) on a bridge and subnet each test makes and removes.
+
+mod support;
+
+use std::time::Duration;
+
+use k8s_cri::v1 as cri;
+use support::cni::{self, TestNet};
+use support::cri::*;
+use support::hako::Hako;
+use support::registry::Registry;
+
+/// hako on a test network, busybox pulled.
+async fn on_net(net: &TestNet, timeout_secs: u64) -> Option<(Registry, Hako)> {
+    if !cni::ready() {
+        return None;
+    }
+    ready_with_config(&net.hako_config(timeout_secs)).await
+}
+
+async fn pod_ip(rt: &mut Rt, pod: &str) -> String {
+    rt.pod_sandbox_status(cri::PodSandboxStatusRequest {
+        pod_sandbox_id: pod.into(),
+        verbose: false,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .status
+    .unwrap()
+    .network
+    .unwrap()
+    .ip
+}
+
+async fn network_ready(rt: &mut Rt) -> cri::RuntimeCondition {
+    rt.status(cri::StatusRequest { verbose: false })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap()
+        .conditions
+        .into_iter()
+        .find(|c| c.r#type == "NetworkReady")
+        .unwrap()
+}
+
+async fn remove_pod(rt: &mut Rt, pod: &str) {
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.into(),
+    })
+    .await
+    .unwrap();
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod.into(),
+    })
+    .await
+    .unwrap();
+}
+
+/// A busybox httpd serving `body` on `port`.
+fn web(name: &str, port: u16, body: &str) -> cri::ContainerConfig {
+    let script = format!(
+        "mkdir -p /www && echo {body} > /www/index.html && exec httpd -f -p {port} -h /www"
+    );
+    container_config(name, &["sh", "-c", &script])
+}
+
+fn http_get(addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s =
+        std::net::TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    write!(s, "GET / HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pods_reach_each_other_and_host_ports_reach_pods() {
+    let net = TestNet::new();
+    let Some((_reg, h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cond = network_ready(&mut rt).await;
+    assert!(cond.status, "{cond:?}");
+
+    let mut a_cfg = pod_config("server", logs.path());
+    a_cfg.port_mappings = vec![cri::PortMapping {
+        protocol: cri::Protocol::Tcp as i32,
+        container_port: 8080,
+        host_port: 18080 + (std::process::id() % 1000) as i32,
+        host_ip: String::new(),
+    }];
+    let host_port = a_cfg.port_mappings[0].host_port;
+    let a = run_pod(&mut rt, &a_cfg).await;
+    let a_ip = pod_ip(&mut rt, &a).await;
+    assert!(
+        a_ip.starts_with(&net.prefix),
+        "{a_ip} in {}.0/24",
+        net.prefix
+    );
+    run_container(&mut rt, &a, &a_cfg, web("web", 8080, "hello-from-a")).await;
+    assert_eq!(net.leased().len(), 1, "{:?}", net.leased());
+    assert_eq!(net.veths().len(), 1);
+
+    let b_cfg = pod_config("client", logs.path());
+    let b = run_pod(&mut rt, &b_cfg).await;
+    let b_ip = pod_ip(&mut rt, &b).await;
+    assert_ne!(a_ip, b_ip);
+    let b_ctr = run_container(
+        &mut rt,
+        &b,
+        &b_cfg,
+        container_config("c", &["sleep", "120"]),
+    )
+    .await;
+    let mut got = String::new();
+    for _ in 0..50 {
+        let out = rt
+            .exec_sync(cri::ExecSyncRequest {
+                container_id: b_ctr.clone(),
+                cmd: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    // Debian's static busybox wget crashes resolving; nc speaks HTTP/1.0 fine.
+                    format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {a_ip} 8080 2>&1"),
+                ],
+                timeout: 10,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        got = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if got.contains("hello-from-a") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        got.contains("hello-from-a"),
+        "pod b reached pod a: {got:?}; web log: {:?}",
+        log_lines(&logs.path().join("web.log"))
+    );
+    // The pod sees its own address on eth0.
+    let addrs = exec(&mut rt, &b_ctr, "ip -o -4 addr show eth0").await;
+    assert!(addrs.contains(&b_ip), "{addrs}");
+
+    // The host port, from the host: by the bridge's address and by 127.0.0.1.
+    for addr in [
+        format!("{}:{host_port}", net.gateway),
+        format!("127.0.0.1:{host_port}"),
+    ] {
+        let page = http_get(&addr).unwrap_or_default();
+        assert!(page.contains("hello-from-a"), "{addr}: {page:?}");
+    }
+
+    remove_pod(&mut rt, &a).await;
+    remove_pod(&mut rt, &b).await;
+    assert!(net.leased().is_empty(), "leases left: {:?}", net.leased());
+    assert!(net.veths().is_empty(), "veths left: {:?}", net.veths());
+    assert!(
+        http_get(&format!("127.0.0.1:{host_port}")).is_none(),
+        "host port closed"
+    );
+    assert_no_leaks(&h, &a);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fifty_pods_leave_no_lease_veth_or_netns() {
+    let net = TestNet::new();
+    let Some((_reg, h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    for i in 0..50 {
+        let cfg = pod_config(&format!("churn-{i}"), logs.path());
+        let pod = run_pod(&mut rt, &cfg).await;
+        assert!(pod_ip(&mut rt, &pod).await.starts_with(&net.prefix));
+        remove_pod(&mut rt, &pod).await;
+    }
+    assert!(net.leased().is_empty(), "leases left: {:?}", net.leased());
+    assert!(net.veths().is_empty(), "veths left: {:?}", net.veths());
+    assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
+    assert!(Hako::files_under(&h.root.join("cni/results")).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_daemon_killed_between_add_and_del_still_releases_the_lease() {
+    let net = TestNet::new();
+    let Some((_reg, mut h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("survivor", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let ip = pod_ip(&mut rt, &pod).await;
+    assert_eq!(net.leased(), vec![ip.clone()]);
+    h.kill9();
+    // A changed config dir must not change how the existing attachment is deleted.
+    std::fs::remove_file(net.conf_dir.join("10-test.conflist")).unwrap();
+    h.restart();
+    let mut rt = h.runtime().await;
+    assert_eq!(pod_ip(&mut rt, &pod).await, ip, "kept across the restart");
+    let cond = network_ready(&mut rt).await;
+    assert!(
+        !cond.status && cond.message.contains("no CNI network config"),
+        "{cond:?}"
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert!(net.leased().is_empty(), "leases left: {:?}", net.leased());
+    assert!(net.veths().is_empty());
+    // The config comes back: the next pod uses it without a restart.
+    net.write_conflist("10-test.conflist", &[]);
+    assert!(network_ready(&mut rt).await.status);
+    let pod = run_pod(&mut rt, &pod_config("after", logs.path())).await;
+    assert!(pod_ip(&mut rt, &pod).await.starts_with(&net.prefix));
+    remove_pod(&mut rt, &pod).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failing_and_hanging_plugins_are_named_and_leave_nothing() {
+    let net = TestNet::new();
+    net.plugin_script(
+        "failer",
+        r#"cat >/dev/null
+if [ "$CNI_COMMAND" = ADD ]; then
+  echo "failer: no room at the inn" >&2
+  echo '{"cniVersion":"1.0.0","code":11,"msg":"cannot attach","details":"quota exhausted"}'
+  exit 1
+fi
+exit 0"#,
+    );
+    net.plugin_script(
+        "hanger",
+        r#"cat >/dev/null
+[ "$CNI_COMMAND" = ADD ] && sleep 600
+exit 0"#,
+    );
+    net.write_conflist("10-test.conflist", &[serde_json::json!({"type": "failer"})]);
+    let Some((_reg, h)) = on_net(&net, 2).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let e = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(pod_config("unlucky", logs.path())),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap_err();
+    let m = e.message();
+    assert!(
+        m.contains("CNI plugin failer") && m.contains("cannot attach: quota exhausted"),
+        "{m}"
+    );
+    assert!(m.contains("no room at the inn"), "stderr included: {m}");
+    assert!(
+        net.leased().is_empty(),
+        "the bridge's lease was released: {:?}",
+        net.leased()
+    );
+    assert!(net.veths().is_empty());
+    assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
+    let pods = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .items;
+    assert!(pods.is_empty(), "{pods:?}");
+
+    net.write_conflist("10-test.conflist", &[serde_json::json!({"type": "hanger"})]);
+    let started = std::time::Instant::now();
+    let e = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(pod_config("stuck", logs.path())),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    assert!(e.message().contains("CNI plugin hanger"), "{e:?}");
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert!(net.leased().is_empty(), "{:?}", net.leased());
+    assert!(net.veths().is_empty());
+    assert!(Hako::files_under(&h.root.join("cni/results")).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_config_network_is_not_ready_and_host_network_pods_still_run() {
+    let empty = tempfile::tempdir().unwrap();
+    let Some((_reg, h)) = ready_with_config(&format!(
+        "[cni]\nconf_dir = \"{}\"\n",
+        empty.path().display()
+    ))
+    .await
+    else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cond = network_ready(&mut rt).await;
+    assert!(!cond.status);
+    assert_eq!(cond.reason, "NetworkPluginNotReady");
+    assert!(
+        cond.message.contains("no CNI network config in"),
+        "{cond:?}"
+    );
+    let mut cfg = pod_config("hostnet", logs.path());
+    cfg.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                network: cri::NamespaceMode::Node as i32,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    // A pod network cannot be made; the host's can.
+    let e = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(pod_config("podnet", logs.path())),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("no CNI network config"), "{e:?}");
+    let pod = run_pod(&mut rt, &cfg).await;
+    assert_eq!(pod_ip(&mut rt, &pod).await, "");
+    let c = run_container(&mut rt, &pod, &cfg, container_config("c", &["sleep", "60"])).await;
+    let host_ns = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let in_ctr = exec(&mut rt, &c, "readlink /proc/self/ns/net").await;
+    assert_eq!(in_ctr, host_ns.display().to_string());
+    remove_pod(&mut rt, &pod).await;
+}
