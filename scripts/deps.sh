@@ -7,7 +7,7 @@ pkgs=(
   protobuf-compiler pkg-config libseccomp-dev   # build: k8s-cri's protos, libcontainer's seccomp
   docker-registry busybox procps util-linux      # tests: local registry, image stand-ins (pgrep, ipcs)
   apache2-utils openssl                          # tests: htpasswd and certificates for registry auth/TLS
-  containernetworking-plugins                    # CNI plugins in /usr/lib/cni
+  containernetworking-plugins iptables iproute2  # CNI plugins in /usr/lib/cni (portmap needs iptables)
   systemd                                        # tests: systemd-analyze verify of the unit
 )
 missing=()

@@ -12,6 +12,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::process::Command;
 
+use support::cni;
 use support::hako::Hako;
 use support::oci::Pusher;
 use support::registry::Registry;
@@ -61,13 +62,15 @@ fn must_pass() -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn critest_must_pass_specs_pass() {
-    if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "critest"]) {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "critest"]) || !cni::ready() {
         return;
     }
     let reg = Registry::start();
     let pushed = standins::push_all(&Pusher::new(&reg.addr)).await;
     eprintln!("pushed {} stand-in images to {}", pushed.len(), reg.addr);
-    let h = Hako::start("");
+    // A real pod network (bridge, host-local, portmap) for the Networking specs.
+    let net = cni::TestNet::new();
+    let h = Hako::start(&net.hako_config(60));
     for r in standins::MIRRORED {
         h.hosts_toml(r, &standins::hosts_toml(r, &reg.addr));
     }
