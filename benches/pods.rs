@@ -70,8 +70,25 @@ fn container_config() -> cri::ContainerConfig {
             image: IMAGE.into(),
             ..Default::default()
         }),
-        command: vec!["sleep".into(), "3600".into()],
+        // PID 1 of its own PID namespace (as kubelet asks by default) ignores SIGTERM unless
+        // it handles it: this one does, so StopContainer measures a graceful stop.
+        command: vec![
+            "sh".into(),
+            "-c".into(),
+            "trap 'exit 0' TERM; sleep 3600 & wait".into(),
+        ],
         log_path: "sleeper.log".into(),
+        linux: Some(cri::LinuxContainerConfig {
+            security_context: Some(cri::LinuxContainerSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    pid: cri::NamespaceMode::Container as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
         ..Default::default()
     }
 }
@@ -257,7 +274,29 @@ fn main() {
         support::standins::push_all(&Pusher::new(&reg.addr)).await;
         let mirror = support::standins::hosts_toml("registry.k8s.io", &reg.addr);
         let certs = common::certs_for(&[("registry.k8s.io", &mirror)]);
-        let runtimes = [start_hako(certs.path(), "warn"), start_containerd(certs.path(), None)];
+        // One bridge network both runtimes use (same config, same IPAM leases).
+        let net = tempfile::tempdir_in("/var/tmp").unwrap();
+        let conf_dir = net.path().join("net.d");
+        std::fs::create_dir_all(&conf_dir).unwrap();
+        std::fs::write(
+            conf_dir.join("10-bench.conflist"),
+            serde_json::to_vec(&serde_json::json!({
+                "cniVersion": "1.0.0",
+                "name": "bench-bridge",
+                "plugins": [
+                    {"type": "bridge", "bridge": "hkbench0", "isGateway": true, "ipMasq": false,
+                     "ipam": {"type": "host-local", "dataDir": net.path().join("leases"),
+                              "ranges": [[{"subnet": "10.99.0.0/24"}]]}},
+                    {"type": "portmap", "capabilities": {"portMappings": true}}
+                ]
+            }))
+            .unwrap(),
+        )
+        .unwrap();
+        let runtimes = [
+            start_hako(certs.path(), "warn", Some(&conf_dir)),
+            start_containerd(certs.path(), Some(&conf_dir)),
+        ];
         for r in &runtimes {
             let mut c = client(&r.socket).await;
             c.images.pull_image(cri::PullImageRequest { image: Some(cri::ImageSpec { image: IMAGE.into(), ..Default::default() }), ..Default::default() }).await.unwrap();
@@ -285,6 +324,33 @@ fn main() {
             println!("| {step} | {h50:.2} | {h99:.2} | {c50:.2} | {c99:.2} | {:.1}× |", c50 / h50);
         }
         println!("| pod + container start (sum of p50s) | {:.2} | | {:.2} | | {:.1}× |", total[0], total[1], total[1] / total[0]);
+
+        // Pods on the bridge network: RunPodSandbox now includes CNI ADD (and Stop, DEL).
+        let mut net_times: Vec<BTreeMap<&'static str, Vec<f64>>> = vec![BTreeMap::new(); runtimes.len()];
+        for round in 0..n {
+            for (i, r) in runtimes.iter().enumerate() {
+                let mut c = client(&r.socket).await;
+                let mut cfg = pod_config(&format!("net-{round}"));
+                cfg.linux = None;
+                let t = Instant::now();
+                let pod = c.runtime.run_pod_sandbox(cri::RunPodSandboxRequest { config: Some(cfg), runtime_handler: String::new() }).await.unwrap_or_else(|e| panic!("{}: {e}", r.name)).into_inner().pod_sandbox_id;
+                net_times[i].entry("RunPodSandbox").or_default().push(t.elapsed().as_secs_f64() * 1e3);
+                let t = Instant::now();
+                c.runtime.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: pod.clone() }).await.unwrap();
+                net_times[i].entry("StopPodSandbox").or_default().push(t.elapsed().as_secs_f64() * 1e3);
+                c.runtime.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: pod }).await.unwrap();
+            }
+        }
+        println!("\nPods on a bridge network (CNI bridge + host-local + portmap from /usr/lib/cni), {n} rounds (ms):");
+        println!("| step | hako p50 | hako p99 | containerd p50 | containerd p99 | p50 ratio |");
+        println!("|---|---|---|---|---|---|");
+        for step in ["RunPodSandbox", "StopPodSandbox"] {
+            let mut h = net_times[0][step].clone();
+            let mut c = net_times[1][step].clone();
+            let (h50, h99, c50, c99) = (percentile(&mut h, 0.5), percentile(&mut h, 0.99), percentile(&mut c, 0.5), percentile(&mut c, 0.99));
+            println!("| {step} | {h50:.2} | {h99:.2} | {c50:.2} | {c99:.2} | {:.1}× |", c50 / h50);
+        }
+        let _ = std::process::Command::new("ip").args(["link", "del", "hkbench0"]).output();
 
         // Idle pods and memory.
         let mut pods: Vec<Vec<String>> = vec![Vec::new(); runtimes.len()];

@@ -100,7 +100,7 @@ fn main() {
         let certs =
             common::certs_for(&[(&reg.addr, &format!("server = \"http://{}\"\n", reg.addr))]);
         let runtimes = [
-            start_hako(certs.path(), "warn"),
+            start_hako(certs.path(), "warn", None),
             start_containerd(certs.path(), None),
         ];
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); runtimes.len()];

@@ -53,15 +53,22 @@ pub fn certs_for(hosts: &[(&str, &str)]) -> tempfile::TempDir {
     d
 }
 
-pub fn start_hako(certs: &Path, log: &str) -> Runtime {
+pub fn start_hako(certs: &Path, log: &str, cni_conf: Option<&Path>) -> Runtime {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
     let socket = dir.path().join("hako.sock");
     let root = dir.path().join("root");
     let cfg = dir.path().join("config.toml");
+    let cni = match cni_conf {
+        Some(c) => format!(
+            "[cni]\nconf_dir = \"{}\"\nbin_dirs = [\"/usr/lib/cni\"]\n",
+            c.display()
+        ),
+        None => String::new(),
+    };
     std::fs::write(
         &cfg,
         format!(
-            "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n[registry]\nconfig_path = \"{}\"\n",
+            "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n{cni}[registry]\nconfig_path = \"{}\"\n",
             socket.display(),
             root.display(),
             dir.path().join("state").display(),
@@ -72,7 +79,11 @@ pub fn start_hako(certs: &Path, log: &str) -> Runtime {
     let mut child = Command::new(env!("CARGO_BIN_EXE_hako"))
         .args(["serve", "--config"])
         .arg(&cfg)
-        .env("HAKO_LOG", log)
+        // HAKO_BENCH_LOG: a tracing filter for hako during the benchmark (e.g. for timings).
+        .env(
+            "HAKO_LOG",
+            std::env::var("HAKO_BENCH_LOG").unwrap_or_else(|_| log.to_string()),
+        )
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();

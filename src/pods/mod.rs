@@ -658,6 +658,7 @@ impl Runtime {
                 "container metadata needs a name".into(),
             ));
         }
+        let t0 = std::time::Instant::now();
         let key = req.reservation(&pod.id);
         let _guard = self.name_lock(&key).await;
         if let Some(existing) = self.store.reserved(&key)? {
@@ -723,7 +724,9 @@ impl Runtime {
             None
         };
         let root = bundle.join("rootfs");
+        let t_prepared = t0.elapsed();
         rootfs::mount_overlay(&lowers, &layer.join("upper"), &layer.join("work"), &root)?;
+        let t_mounted = t0.elapsed();
         let spec = self.container_spec(&pod, &id, &req, &config, &root, target_pid)?;
         let user = UserIds {
             uid: spec.uid,
@@ -751,10 +754,12 @@ impl Runtime {
                 .to_string()
         };
         let monitor = self.monitor(&pod);
+        let t_spec = t0.elapsed();
         monitor
             .create(&id, &bundle, &log_path, req.tty, req.stdin, req.stdin_once)
             .await
             .map_err(|e| e.context(format!("create container {} in pod {}", req.name, pod.id)))?;
+        let t_created = t0.elapsed();
         let record = ContainerRecord {
             v: RECORD_VERSION,
             id: id.clone(),
@@ -782,6 +787,16 @@ impl Runtime {
             return Err(e);
         }
         undo.commit();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        tracing::debug!(
+            container = %id,
+            prepare_ms = ms(t_prepared),
+            mount_ms = ms(t_mounted - t_prepared),
+            spec_ms = ms(t_spec - t_mounted),
+            monitor_ms = ms(t_created - t_spec),
+            record_ms = ms(t0.elapsed() - t_created),
+            "create timings"
+        );
         tracing::info!(container = %id, pod = %pod.id, name = %record.spec.name, "container created");
         Ok(id)
     }

@@ -284,11 +284,16 @@ impl MonitorClient {
         if let Ok(mut c) = self.client().await {
             let _ = c.shutdown(pb::Empty {}).await;
         }
-        for _ in 0..250 {
+        // The monitor removes its socket last, once the pod's processes are gone and its
+        // namespaces released: usually within a few ms, so poll finely at first.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut pause = Duration::from_millis(1);
+        while std::time::Instant::now() < deadline {
             if !self.socket.exists() {
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(20));
         }
         tracing::warn!(socket = %self.socket.display(), "pod monitor did not shut down within 5 s");
     }

@@ -395,6 +395,7 @@ impl Monitor for Svc {
             None
         };
         let console_path = console.as_ref().map(|c| c.path.clone());
+        let started = std::time::Instant::now();
         let pid = in_helper(&self.state, move || {
             let c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_root_path(root)
@@ -411,6 +412,7 @@ impl Monitor for Svc {
             c.pid()
                 .ok_or_else(|| Status::internal("created container has no pid"))
         })?;
+        tracing::debug!(container = %req.id, ms = started.elapsed().as_secs_f64() * 1e3, "libcontainer create");
         match console {
             Some(console) => {
                 let master = console.receive().inspect_err(|_| {
