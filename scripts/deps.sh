@@ -11,8 +11,11 @@ pkgs=(
   systemd                                        # tests: systemd-analyze verify of the unit
 )
 missing=()
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 for p in "${pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  # busybox-static (which the cgroup2 VM tool wants) provides busybox too; do not swap it out.
+  [ "$p" = busybox ] && installed busybox-static && continue
+  installed "$p" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   apt-get update -qq

@@ -24,6 +24,7 @@ pub struct Daemon {
     pub images: Images,
     pub runtime: crate::pods::Runtime,
     pub network: Arc<crate::network::Network>,
+    pub cdi: Arc<hako_runtime::cdi::Registry>,
 }
 
 /// One `Status` condition.
@@ -56,6 +57,11 @@ impl Daemon {
         )
         .await?;
         let network = Arc::new(crate::network::Network::new(&config.cni, &config.root));
+        // Reading the specs now logs broken ones at start, not at the first container.
+        let cdi = Arc::new(hako_runtime::cdi::Registry::new(
+            config.cdi.spec_dirs.clone(),
+        ));
+        let _ = cdi.errors();
         let runtime = crate::pods::Runtime::new(
             store,
             images.clone(),
@@ -63,6 +69,7 @@ impl Daemon {
             &config.root,
             config.runtime.restrict_oom_score_adj,
             network.clone(),
+            cdi.clone(),
         );
         runtime.reconcile().await?;
         Ok(Daemon {
@@ -70,6 +77,7 @@ impl Daemon {
             images,
             runtime,
             network,
+            cdi,
         })
     }
 

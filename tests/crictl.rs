@@ -81,9 +81,13 @@ async fn crictl_image_commands() {
         conds
             .iter()
             .any(|c| c["type"] == "RuntimeReady" && c["status"] == true)
-            && conds.iter().any(|c| c["type"] == "NetworkReady"
-                && c["status"] == false
-                && !c["reason"].as_str().unwrap().is_empty()),
+            && conds
+                .iter()
+                .any(|c| c["type"] == "NetworkReady" && c["status"] == true),
+        "the harness's loopback CNI config makes the network ready: {info}"
+    );
+    assert!(
+        info["cdi"]["errors"].as_array().unwrap().is_empty(),
         "{info}"
     );
     assert_eq!(info["config"]["listen"], h.socket.display().to_string());
@@ -155,10 +159,11 @@ async fn crictl_image_commands() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn crictl_pod_and_container_commands() {
+/// A registry with busybox as `<registry>/ops/busybox:1`, and a hako (with `extra` config)
+/// that has pulled it through crictl.
+async fn busybox_and_hako(extra: &str) -> Option<(Registry, Hako, String)> {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "crictl"]) {
-        return;
+        return None;
     }
     let reg = Registry::start();
     let img = Image::new(
@@ -171,13 +176,25 @@ async fn crictl_pod_and_container_commands() {
         false,
     );
     Pusher::new(&reg.addr).push("ops/busybox", "1", &img).await;
-    let h = Hako::start("");
+    let h = Hako::start(extra);
+    let image = format!("{}/ops/busybox:1", reg.addr);
+    Crictl {
+        bin: support::which("crictl").unwrap(),
+        hako: &h,
+    }
+    .ok(&["pull", &image]);
+    Some((reg, h, image))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crictl_pod_and_container_commands() {
+    let Some((_reg, h, image)) = busybox_and_hako("").await else {
+        return;
+    };
     let c = Crictl {
         bin: support::which("crictl").unwrap(),
         hako: &h,
     };
-    let image = format!("{}/ops/busybox:1", reg.addr);
-    c.ok(&["pull", &image]);
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
     let pod_json = dir.path().join("pod.json");
@@ -267,4 +284,76 @@ async fn crictl_pod_and_container_commands() {
     assert!(!c.ok(&["pods"]).contains(&pod[..13]));
     let (ok, _, err) = c.run(&["inspectp", &pod]);
     assert!(!ok && err.contains("NotFound"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crictl_create_with_cdi_devices_and_annotations() {
+    let cdi = tempfile::tempdir().unwrap();
+    std::fs::write(
+        cdi.path().join("crictl.yaml"),
+        "cdiVersion: 0.6.0\nkind: hako.test/crictl\ndevices:\n\
+         - name: null\n  containerEdits:\n    deviceNodes: [{path: /dev/crictl-null, type: c, major: 1, minor: 3}]\n\
+         - name: zero\n  containerEdits:\n    deviceNodes: [{path: /dev/crictl-zero, type: c, major: 1, minor: 5}]\n",
+    )
+    .unwrap();
+    let extra = format!("[cdi]\nspec_dirs = [\"{}\"]\n", cdi.path().display());
+    let Some((_reg, h, image)) = busybox_and_hako(&extra).await else {
+        return;
+    };
+    let c = Crictl {
+        bin: support::which("crictl").unwrap(),
+        hako: &h,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let pod_json = dir.path().join("pod.json");
+    std::fs::write(
+        &pod_json,
+        serde_json::json!({
+            "metadata": {"name": "cdi-pod", "namespace": "default", "uid": "cdi-uid"},
+            "log_directory": logs,
+            "linux": {}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let ctr_json = dir.path().join("ctr.json");
+    std::fs::write(
+        &ctr_json,
+        serde_json::json!({
+            "metadata": {"name": "devices"},
+            "image": {"image": image},
+            "command": ["sh", "-c", "stat -c '%n %t:%T' /dev/crictl-null /dev/crictl-zero; sleep 300"],
+            "log_path": "devices.log",
+            "CDI_devices": [{"name": "hako.test/crictl=null"}],
+            "annotations": {"cdi.k8s.io/extra": "hako.test/crictl=zero"},
+            "linux": {}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let ctr = c
+        .ok(&[
+            "run",
+            ctr_json.to_str().unwrap(),
+            pod_json.to_str().unwrap(),
+        ])
+        .trim()
+        .to_string();
+    let mut out = String::new();
+    for _ in 0..100 {
+        out = c.ok(&["logs", &ctr]);
+        if out.lines().count() >= 2 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        vec!["/dev/crictl-null 1:3", "/dev/crictl-zero 1:5"],
+        "{out}"
+    );
+    let pod = c.ok(&["pods", "-q"]).trim().to_string();
+    c.ok(&["stopp", &pod]);
+    c.ok(&["rmp", &pod]);
 }

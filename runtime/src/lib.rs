@@ -1,7 +1,9 @@
 //! hako-runtime: the embedded OCI executor — OCI spec generation ([`spec`]), the per-pod
 //! monitor process ([`monitor`]) that creates containers through youki's libcontainer, and the
-//! CRI log writer ([`logs`]), host device nodes ([`devices`]).
+//! CRI log writer ([`logs`]), host device nodes ([`devices`]), CDI
+//! device specs and edits ([`cdi`]).
 
+pub mod cdi;
 pub mod devices;
 pub mod logs;
 pub mod monitor;

@@ -713,8 +713,12 @@ pub fn generate_json(s: &ContainerSpec) -> Value {
 
 /// The OCI spec for `s`, typed.
 pub fn generate(s: &ContainerSpec) -> Result<Spec, String> {
-    serde_json::from_value(generate_json(s))
-        .map_err(|e| format!("generated OCI spec is invalid: {e}"))
+    typed(generate_json(s))
+}
+
+/// An OCI spec in JSON form (generated, then edited by CDI), typed.
+pub fn typed(v: Value) -> Result<Spec, String> {
+    serde_json::from_value(v).map_err(|e| format!("generated OCI spec is invalid: {e}"))
 }
 
 #[cfg(test)]

@@ -83,6 +83,7 @@ pub struct Runtime {
     /// Last CPU reading per container (time, cumulative ns), for usage rates.
     cpu_samples: std::sync::Mutex<HashMap<String, (i64, u64)>>,
     network: Arc<Network>,
+    cdi: Arc<hako_runtime::cdi::Registry>,
 }
 
 /// Resource usage of a container, as the stats RPCs report it.
@@ -142,6 +143,7 @@ impl Runtime {
         root_dir: &Path,
         restrict_oom_score_adj: bool,
         network: Arc<Network>,
+        cdi: Arc<hako_runtime::cdi::Registry>,
     ) -> Runtime {
         let cap_limit = spec::own_bounding_set();
         Runtime {
@@ -155,6 +157,7 @@ impl Runtime {
             cap_limit,
             cpu_samples: std::sync::Mutex::new(HashMap::new()),
             network,
+            cdi,
         }
     }
 
@@ -718,6 +721,21 @@ impl Runtime {
             }
             _ => None,
         };
+        // CDI devices resolve before anything is made: an unknown one leaves nothing behind.
+        let cdi_names = cdi_requests(&req, &pod);
+        let cdi = {
+            let (reg, names) = (self.cdi.clone(), cdi_names.clone());
+            tokio::task::spawn_blocking(move || reg.resolve(&names))
+                .await
+                .map_err(|e| Error::Internal(format!("CDI task: {e}")))?
+        }
+        .map_err(|e| {
+            let msg = format!("container {}: {e}", req.name);
+            match e {
+                hako_runtime::cdi::CdiError::NotFound(_) => Error::NotFound(msg),
+                hako_runtime::cdi::CdiError::Invalid(_) => Error::InvalidArgument(msg),
+            }
+        })?;
         let target_pid = if req.security.pid == NsMode::Target {
             Some(self.pid_target(&pod, &req).await?)
         } else {
@@ -741,7 +759,13 @@ impl Runtime {
                 .collect(),
         };
         let cgroups_path = spec.cgroups_path.clone();
-        let oci = spec::generate(&spec).map_err(Error::Internal)?;
+        let mut oci = spec::generate_json(&spec);
+        hako_runtime::cdi::apply(&mut oci, &cdi)
+            .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", req.name)))?;
+        if !cdi_names.is_empty() {
+            tracing::info!(container = %id, devices = ?cdi_names, "CDI devices injected");
+        }
+        let oci = spec::typed(oci).map_err(Error::Internal)?;
         let cfg = bundle.join("config.json");
         oci.save(&cfg)
             .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;
@@ -1307,6 +1331,31 @@ impl Runtime {
         }
         self.monitor(&pod).reopen_log(&c.id).await
     }
+}
+
+/// CDI devices a container asks for: `cdi_devices`, then `cdi.k8s.io/*` annotations of the
+/// container and of its pod (comma-separated names), without repeats.
+fn cdi_requests(req: &ContainerSpecReq, pod: &PodRecord) -> Vec<String> {
+    let from_annotations = |a: &BTreeMap<String, String>| -> Vec<String> {
+        a.iter()
+            .filter(|(k, _)| k.starts_with("cdi.k8s.io/"))
+            .flat_map(|(_, v)| v.split(',').map(|d| d.trim().to_string()))
+            .filter(|d| !d.is_empty())
+            .collect()
+    };
+    let mut out: Vec<String> = Vec::new();
+    for d in req
+        .cdi_devices
+        .iter()
+        .cloned()
+        .chain(from_annotations(&req.annotations))
+        .chain(from_annotations(&pod.spec.annotations))
+    {
+        if !out.contains(&d) {
+            out.push(d);
+        }
+    }
+    out
 }
 
 /// The nodes a CRI device request names.

@@ -156,6 +156,9 @@ pub struct ContainerSpecReq {
     pub mounts: Vec<MountReq>,
     #[serde(default)]
     pub devices: Vec<DeviceReq>,
+    /// Fully qualified CDI device names (`vendor.com/class=name`) from `cdi_devices`.
+    #[serde(default)]
+    pub cdi_devices: Vec<String>,
     pub labels: BTreeMap<String, String>,
     pub annotations: BTreeMap<String, String>,
     /// Relative to the pod's log directory.

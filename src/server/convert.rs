@@ -236,6 +236,7 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
                 permissions: d.permissions,
             })
             .collect(),
+        cdi_devices: c.cdi_devices.into_iter().map(|d| d.name).collect(),
         labels: btree(c.labels),
         annotations: btree(c.annotations),
         log_path: c.log_path,

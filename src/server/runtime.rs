@@ -81,6 +81,20 @@ impl RuntimeService for Runtime {
         };
         if req.get_ref().verbose {
             resp.info.insert("config".into(), self.daemon.config_json());
+            // Broken CDI specs are reported here (and logged), never skipped silently.
+            let cdi = self.daemon.cdi.clone();
+            let (devices, errors) =
+                tokio::task::spawn_blocking(move || (cdi.devices(), cdi.errors()))
+                    .await
+                    .unwrap_or_default();
+            let errors: Vec<serde_json::Value> = errors
+                .into_iter()
+                .map(|(file, error)| serde_json::json!({"file": file, "error": error}))
+                .collect();
+            resp.info.insert(
+                "cdi".into(),
+                serde_json::json!({"devices": devices, "errors": errors}).to_string(),
+            );
         }
         Ok(Response::new(resp))
     }

@@ -87,7 +87,7 @@ impl Hako {
             .append(true)
             .open(&self.log)
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_hako"))
+        let child = Command::new(Self::binary())
             .args(["serve", "--config"])
             .arg(&self.config)
             .env("HAKO_LOG", "hako=debug,info")
@@ -108,6 +108,14 @@ impl Hako {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The hako under test: `$HAKO_BIN` when set (a copy, e.g. for runs in the cgroup v2 VM
+    /// that must not see rebuilds), else the one cargo built.
+    pub fn binary() -> PathBuf {
+        std::env::var_os("HAKO_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_hako")))
     }
 
     pub fn log_text(&self) -> String {
