@@ -5,6 +5,8 @@ set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(
   protobuf-compiler pkg-config libseccomp-dev   # build: k8s-cri's protos, libcontainer's seccomp
+  # busybox, not busybox-static: the static build runs applets inside sh instead of exec'ing
+  # /bin/ls and friends, which critest's MaskedPaths spec relies on.
   docker-registry busybox procps util-linux      # tests: local registry, image stand-ins (pgrep, ipcs)
   apache2-utils openssl                          # tests: htpasswd and certificates for registry auth/TLS
   containernetworking-plugins iptables iproute2  # CNI plugins in /usr/lib/cni (portmap needs iptables)
@@ -13,8 +15,6 @@ pkgs=(
 missing=()
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 for p in "${pkgs[@]}"; do
-  # busybox-static (which the cgroup2 VM tool wants) provides busybox too; do not swap it out.
-  [ "$p" = busybox ] && installed busybox-static && continue
   installed "$p" || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -202,11 +202,7 @@ async fn cdi_devices_env_mounts_groups_and_hooks_reach_the_container() {
         assert!(state.contains(&id), "{stage} hook state: {state}");
     }
 
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
 
@@ -324,10 +320,6 @@ async fn unknown_ambiguous_and_broken_specs_fail_cleanly_and_changes_apply_live(
     let e = create(&mut rt, &pod, &cfg, run("fifth")).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
 
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

@@ -47,19 +47,6 @@ async fn network_ready(rt: &mut Rt) -> cri::RuntimeCondition {
         .unwrap()
 }
 
-async fn remove_pod(rt: &mut Rt, pod: &str) {
-    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
-        pod_sandbox_id: pod.into(),
-    })
-    .await
-    .unwrap();
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod.into(),
-    })
-    .await
-    .unwrap();
-}
-
 /// A busybox httpd serving `body` on `port`.
 fn web(name: &str, port: u16, body: &str) -> cri::ContainerConfig {
     let script = format!(
@@ -188,6 +175,7 @@ async fn fifty_pods_leave_no_lease_veth_or_netns() {
         let pod = run_pod(&mut rt, &cfg).await;
         assert!(pod_ip(&mut rt, &pod).await.starts_with(&net.prefix));
         remove_pod(&mut rt, &pod).await;
+        assert_no_leaks(&h, &pod);
     }
     assert!(net.leased().is_empty(), "leases left: {:?}", net.leased());
     assert!(net.veths().is_empty(), "veths left: {:?}", net.veths());
@@ -227,6 +215,7 @@ async fn a_daemon_killed_between_add_and_del_still_releases_the_lease() {
     let pod = run_pod(&mut rt, &pod_config("after", logs.path())).await;
     assert!(pod_ip(&mut rt, &pod).await.starts_with(&net.prefix));
     remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -347,4 +336,140 @@ async fn without_config_network_is_not_ready_and_host_network_pods_still_run() {
     let in_ctr = exec(&mut rt, &c, "readlink /proc/self/ns/net").await;
     assert_eq!(in_ctr, host_ns.display().to_string());
     remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn plugins_get_the_cni_protocol_args_and_runtime_config() {
+    let net = TestNet::new();
+    // A plugin that records each call (command, environment, stdin) and claims an address.
+    let log = net.dir.path().join("calls");
+    net.plugin_script(
+        "recorder",
+        &format!(
+            r#"{{ echo "== $CNI_COMMAND"; echo "args=$CNI_ARGS"; echo "netns=$CNI_NETNS"; echo "ifname=$CNI_IFNAME"; echo "id=$CNI_CONTAINERID"; cat; echo; }} >> {log}
+if [ "$CNI_COMMAND" = ADD ]; then
+  printf '{{"cniVersion":"1.0.0","interfaces":[{{"name":"eth0","sandbox":"%s"}}],"ips":[{{"address":"10.9.9.9/24","interface":0}},{{"address":"fd00::9/64","interface":0}}]}}' "$CNI_NETNS"
+fi"#,
+            log = log.display()
+        ),
+    );
+    std::fs::write(
+        net.conf_dir.join("10-test.conflist"),
+        serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "recorded",
+            "plugins": [{"type": "recorder", "capabilities": {"portMappings": true, "dns": true}}]
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let Some((_reg, mut h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let mut cfg = pod_config("recorded", logs.path());
+    cfg.dns_config = Some(cri::DnsConfig {
+        servers: vec!["10.0.0.10".into()],
+        searches: vec!["svc.cluster.local".into()],
+        options: vec!["ndots:5".into()],
+    });
+    cfg.port_mappings = vec![cri::PortMapping {
+        protocol: cri::Protocol::Udp as i32,
+        container_port: 53,
+        host_port: 5353,
+        host_ip: String::new(),
+    }];
+    let pod = run_pod(&mut rt, &cfg).await;
+    let st = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap()
+        .network
+        .unwrap();
+    assert_eq!(st.ip, "10.9.9.9");
+    assert_eq!(st.additional_ips[0].ip, "fd00::9");
+
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let add = calls.split("== ").find(|c| c.starts_with("ADD")).unwrap();
+    for want in [
+        "IgnoreUnknown=1".to_string(),
+        "K8S_POD_NAMESPACE=default".into(),
+        "K8S_POD_NAME=recorded".into(),
+        format!("K8S_POD_INFRA_CONTAINER_ID={pod}"),
+        "K8S_POD_UID=uid-recorded".into(),
+        format!("id={pod}"),
+        "ifname=eth0".into(),
+    ] {
+        assert!(add.contains(&want), "{want} in {add}");
+    }
+    let netns = add
+        .lines()
+        .find_map(|l| l.strip_prefix("netns="))
+        .unwrap()
+        .to_string();
+    assert!(
+        netns.starts_with(&h.dir.path().display().to_string()),
+        "{netns}"
+    );
+    let stdin: serde_json::Value = serde_json::from_str(add.lines().last().unwrap()).unwrap();
+    assert_eq!(stdin["name"], "recorded");
+    assert_eq!(
+        stdin["runtimeConfig"]["portMappings"],
+        serde_json::json!([{"hostPort": 5353, "containerPort": 53, "protocol": "udp"}])
+    );
+    assert_eq!(stdin["runtimeConfig"]["dns"]["servers"][0], "10.0.0.10");
+
+    // After a restart the running pod's attachment is CHECKed with the ADD result.
+    h.kill9();
+    h.restart();
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let check = calls.split("== ").find(|c| c.starts_with("CHECK")).unwrap();
+    assert!(check.contains("\"prevResult\""), "{check}");
+    let mut rt = h.runtime().await;
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let del = calls.split("== ").find(|c| c.starts_with("DEL")).unwrap();
+    assert!(
+        del.contains("10.9.9.9") && del.contains(&netns),
+        "DEL gets the ADD result: {del}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn attachments_no_pod_owns_are_released_at_start() {
+    let net = TestNet::new();
+    let Some((_reg, mut h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let pod = run_pod(&mut rt, &pod_config("forgotten", logs.path())).await;
+    assert_eq!(net.leased().len(), 1);
+    // The daemon dies and its metadata is lost: nothing records the pod any more.
+    h.kill9();
+    std::fs::remove_file(h.root.join("meta.db")).unwrap();
+    h.restart();
+    assert!(net.leased().is_empty(), "GC released {:?}", net.leased());
+    assert!(net.veths().is_empty(), "{:?}", net.veths());
+    assert!(h
+        .log_text()
+        .contains("released the network of a pod that no longer exists"));
+    // The pod's monitor is an orphan now (nothing knows it): end it by hand.
+    let _ = std::process::Command::new("pkill")
+        .args(["-9", "-f", &format!("hako monitor.*{pod}")])
+        .status();
+    for m in cni::netns_mounts_under(h.dir.path()) {
+        if let Some(p) = m.split(' ').nth(4) {
+            let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
 }

@@ -196,16 +196,8 @@ async fn pod_and_container_lifecycle() {
         .status
         .unwrap();
     assert_eq!(st.state, cri::PodSandboxState::SandboxNotready as i32);
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
+    remove_pod(&mut rt, &pod).await;
     assert!(rt
         .list_pod_sandbox(cri::ListPodSandboxRequest::default())
         .await
@@ -232,6 +224,7 @@ async fn pod_and_container_lifecycle() {
         !mounts.contains(&h.dir.path().display().to_string()),
         "leaked mounts"
     );
+    assert_no_leaks(&h, &pod);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -294,11 +287,8 @@ async fn oom_score_adj_is_clamped_to_the_daemons_own() {
         exec(&mut rt, &low2, "cat /proc/1/oom_score_adj").await,
         low_seen.to_string()
     );
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod,
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -378,16 +368,8 @@ async fn pods_outlive_a_killed_daemon_and_exits_are_reported_after_restart() {
         .items;
     assert_eq!(pods.len(), 1);
     assert_eq!(pods[0].state, cri::PodSandboxState::SandboxReady as i32);
-    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod,
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -498,11 +480,8 @@ async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
             >= cpu(&s1),
         "the pod cgroup holds the container"
     );
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod,
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -602,11 +581,7 @@ async fn a_dead_monitor_is_detected_and_its_pod_reported() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(sleepers(), 0, "the unwatched container process was killed");
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
 
@@ -634,11 +609,8 @@ async fn a_deep_state_dir_does_not_overflow_socket_paths() {
     let pod = run_pod(&mut rt, &cfg).await;
     let id = run_container(&mut rt, &pod, &cfg, container_config("c", &["sleep", "60"])).await;
     assert_eq!(exec(&mut rt, &id, "echo ok").await, "ok");
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod,
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -799,16 +771,7 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
     let user = st.user.unwrap().linux.unwrap();
     assert_eq!((user.uid, user.gid), (0, 0));
 
-    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
 
@@ -875,10 +838,6 @@ async fn stop_uses_the_images_stop_signal() {
     .await
     .unwrap();
     assert_eq!(status(&mut rt, &id).await.exit_code, 42);
-    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
-        pod_sandbox_id: pod.clone(),
-    })
-    .await
-    .unwrap();
+    remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

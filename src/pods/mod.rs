@@ -607,9 +607,10 @@ impl Runtime {
         Ok(())
     }
 
-    /// Attachments no pod owns (a pod removed while its DEL failed, state lost) are deleted;
-    /// with CNI 1.1 the plugins are also told which attachments are valid. Failures are logged:
-    /// they must not keep the daemon from starting.
+    /// At start: running pods' attachments are CHECKed; attachments no pod owns (a pod removed
+    /// while its DEL failed, state lost) are deleted; with CNI 1.1 the plugins are also told
+    /// which attachments are valid. Failures are logged: they must not keep the daemon from
+    /// starting.
     async fn network_gc(&self) {
         let pods: HashMap<String, PodRecord> = match self.pods() {
             Ok(p) => p.into_iter().map(|p| (p.id.clone(), p)).collect(),
@@ -618,8 +619,17 @@ impl Runtime {
         let mut valid = Vec::new();
         for c in self.network.cni.cached() {
             let id = c.attachment.container_id.clone();
-            if pods.contains_key(&id) {
-                valid.push((id, c.attachment.ifname.clone()));
+            if let Some(pod) = pods.get(&id) {
+                valid.push((id.clone(), c.attachment.ifname.clone()));
+                // A running pod's network may have been changed while the daemon was down.
+                if pod.state == PodState::Ready && !c.result.is_null() {
+                    match self.network.cni.check(&c).await {
+                        Ok(()) => tracing::debug!(pod = %id, "CNI CHECK passed"),
+                        Err(e) => {
+                            tracing::warn!(pod = %id, error = %chain(&e), "CNI CHECK failed: the pod's network is not as it was set up")
+                        }
+                    }
+                }
                 continue;
             }
             match self.network.cni.del_cached(&c).await {

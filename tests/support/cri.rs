@@ -215,3 +215,17 @@ pub async fn status(rt: &mut Rt, id: &str) -> cri::ContainerStatus {
     .status
     .unwrap()
 }
+
+/// StopPodSandbox then RemovePodSandbox, both expected to succeed.
+pub async fn remove_pod(rt: &mut Rt, pod: &str) {
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.into(),
+    })
+    .await
+    .unwrap();
+    rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+        pod_sandbox_id: pod.into(),
+    })
+    .await
+    .unwrap();
+}
