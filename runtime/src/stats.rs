@@ -27,6 +27,12 @@ pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
         container_name: String::new(),
     })
     .map_err(|e| format!("cgroup {cgroups_path}: {e}"))?;
+    // libcgroups passes cgroup v2's cpu.stat usage_usec through as is (microseconds); v1's
+    // cpuacct.usage is nanoseconds.
+    let cpu_scale = match cm {
+        libcgroups::common::AnyCgroupManager::V2(_) => 1000,
+        _ => 1,
+    };
     let st = cm
         .stats()
         .map_err(|e| format!("stats of cgroup {cgroups_path}: {e}"))?;
@@ -35,7 +41,7 @@ pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
     let get = |v1: &str, v2: &str| m.get(v1).or_else(|| m.get(v2)).copied().unwrap_or(0);
     let usage = st.memory.memory.usage;
     Ok(Sample {
-        cpu_usage_ns: st.cpu.usage.usage_total,
+        cpu_usage_ns: st.cpu.usage.usage_total * cpu_scale,
         memory_usage: usage,
         working_set: usage.saturating_sub(get("total_inactive_file", "inactive_file")),
         rss: get("total_rss", "anon"),
