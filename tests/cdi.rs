@@ -134,15 +134,20 @@ async fn cdi_devices_env_mounts_groups_and_hooks_reach_the_container() {
     };
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
-    let cfg = pod_config("cdi", logs.path());
+    // One device by cdi_devices, one by a pod annotation, and the first again by a container
+    // annotation: the repeat is dropped.
+    let mut cfg = pod_config("cdi", logs.path());
+    cfg.annotations.insert(
+        "cdi.k8s.io/pod-devices".into(),
+        "hako.test/other=zero".into(),
+    );
     let pod = run_pod(&mut rt, &cfg).await;
-    // One device by cdi_devices, one by annotation; the repeat is dropped.
     let mut cc = with_cdi(
         container_config("dev", &["sleep", "60"]),
-        &["hako.test/fake=null", "hako.test/fake=null"],
+        &["hako.test/fake=null"],
     );
     cc.annotations
-        .insert("cdi.k8s.io/extra".into(), "hako.test/other=zero".into());
+        .insert("cdi.k8s.io/again".into(), "hako.test/fake=null".into());
     let id = create(&mut rt, &pod, &cfg, cc).await.unwrap();
     rt.start_container(cri::StartContainerRequest {
         container_id: id.clone(),

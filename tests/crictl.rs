@@ -332,14 +332,20 @@ async fn crictl_create_with_cdi_devices_and_annotations() {
         .to_string(),
     )
     .unwrap();
+    let pod = c
+        .ok(&["runp", pod_json.to_str().unwrap()])
+        .trim()
+        .to_string();
     let ctr = c
         .ok(&[
-            "run",
+            "create",
+            &pod,
             ctr_json.to_str().unwrap(),
             pod_json.to_str().unwrap(),
         ])
         .trim()
         .to_string();
+    c.ok(&["start", &ctr]);
     let mut out = String::new();
     for _ in 0..100 {
         out = c.ok(&["logs", &ctr]);
@@ -353,7 +359,6 @@ async fn crictl_create_with_cdi_devices_and_annotations() {
         vec!["/dev/crictl-null 1:3", "/dev/crictl-zero 1:5"],
         "{out}"
     );
-    let pod = c.ok(&["pods", "-q"]).trim().to_string();
     c.ok(&["stopp", &pod]);
     c.ok(&["rmp", &pod]);
 }

@@ -839,8 +839,9 @@ async fn rpcs_not_built_say_so_and_status_is_truthful() {
     let conds = st.status.unwrap().conditions;
     let rr = conds.iter().find(|c| c.r#type == "RuntimeReady").unwrap();
     assert!(rr.status, "pods run: {rr:?}");
+    // The harness gives hako a loopback-only CNI config: a network, so ready.
     let nr = conds.iter().find(|c| c.r#type == "NetworkReady").unwrap();
-    assert!(!nr.status && !nr.reason.is_empty(), "{nr:?}");
+    assert!(nr.status, "{nr:?}");
     assert!(st.info["config"].contains("\"listen\""));
     let cfg = rt
         .runtime_config(cri::RuntimeConfigRequest {})

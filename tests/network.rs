@@ -473,3 +473,97 @@ async fn attachments_no_pod_owns_are_released_at_start() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_whose_network_namespace_is_gone_still_releases_its_lease() {
+    let net = TestNet::new();
+    let Some((_reg, h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let pod = run_pod(&mut rt, &pod_config("orphaned", logs.path())).await;
+    assert_eq!(net.leased().len(), 1);
+    let info = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let monitor = v["monitorPid"].as_i64().unwrap() as i32;
+    // The monitor dies; the daemon notices at the next relist and releases the namespaces,
+    // so the network namespace is gone by the time the pod is stopped.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(monitor),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    rt.list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap();
+    assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
+    assert_eq!(net.leased().len(), 1, "still leased until StopPodSandbox");
+    remove_pod(&mut rt, &pod).await;
+    assert!(net.leased().is_empty(), "{:?}", net.leased());
+    assert!(net.veths().is_empty(), "{:?}", net.veths());
+    assert_no_leaks(&h, &pod);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cni_1_1_status_feeds_network_ready_and_gc_names_the_valid_attachments() {
+    let net = TestNet::new();
+    let log = net.dir.path().join("calls");
+    let ready = net.dir.path().join("ready");
+    net.plugin_script(
+        "status11",
+        &format!(
+            r#"stdin=$(cat); echo "== $CNI_COMMAND $stdin" >> {log}
+case "$CNI_COMMAND" in
+  STATUS) [ -e {ready} ] && exit 0
+          echo '{{"cniVersion":"1.1.0","code":50,"msg":"plugin not available","details":"waiting for the fabric"}}'; exit 1 ;;
+  ADD) printf '{{"cniVersion":"1.1.0","interfaces":[{{"name":"eth0","sandbox":"%s"}}],"ips":[{{"address":"10.8.8.8/24","interface":0}}]}}' "$CNI_NETNS" ;;
+esac
+exit 0"#,
+            log = log.display(),
+            ready = ready.display()
+        ),
+    );
+    std::fs::write(
+        net.conf_dir.join("10-test.conflist"),
+        r#"{"cniVersion": "1.1.0", "name": "eleven", "plugins": [{"type": "status11"}]}"#,
+    )
+    .unwrap();
+    let Some((_reg, mut h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let cond = network_ready(&mut rt).await;
+    assert!(!cond.status, "{cond:?}");
+    assert!(
+        cond.message
+            .contains("plugin not available: waiting for the fabric"),
+        "{cond:?}"
+    );
+    std::fs::write(&ready, "").unwrap();
+    assert!(network_ready(&mut rt).await.status);
+    let logs = tempfile::tempdir().unwrap();
+    let pod = run_pod(&mut rt, &pod_config("eleven", logs.path())).await;
+    h.kill9();
+    h.restart();
+    let calls = std::fs::read_to_string(&log).unwrap();
+    // The last GC: the one at the restart (the first start had no pods).
+    let gc = calls.split("== ").filter(|c| c.starts_with("GC")).last().unwrap();
+    let stdin: serde_json::Value =
+        serde_json::from_str(gc.trim_start_matches("GC ").trim()).unwrap();
+    assert_eq!(
+        stdin["cni.dev/valid-attachments"],
+        serde_json::json!([{"containerID": pod, "ifname": "eth0"}])
+    );
+    let mut rt = h.runtime().await;
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

@@ -688,7 +688,47 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
         host_path: "/dev/null".into(),
         permissions: "rw".into(),
     }];
+    // kubelet sends a limit for every page size the node has, with or without a hugetlb
+    // controller (this machine's cgroup v1 has none; the cgroup v2 VM has one).
+    dev.linux = Some(cri::LinuxContainerConfig {
+        resources: Some(cri::LinuxContainerResources {
+            hugepage_limits: vec![cri::HugepageLimit {
+                page_size: "2MB".into(),
+                limit: 4 << 20,
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
     let dev_id = run_container(&mut rt, &pod, &cfg, dev).await;
+    let cgroup = std::fs::read_to_string(format!("/proc/{}/cgroup", {
+        let info = rt
+            .container_status(cri::ContainerStatusRequest {
+                container_id: dev_id.clone(),
+                verbose: true,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .info;
+        let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+        v["pid"].as_i64().unwrap()
+    }))
+    .unwrap();
+    for line in cgroup.lines() {
+        let mut f = line.splitn(3, ':');
+        let (ctrl, path) = (f.nth(1).unwrap_or(""), f.next().unwrap_or(""));
+        let file = match ctrl {
+            "hugetlb" => format!("/sys/fs/cgroup/hugetlb{path}/hugetlb.2MB.limit_in_bytes"),
+            "" if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() => {
+                format!("/sys/fs/cgroup{path}/hugetlb.2MB.max")
+            }
+            _ => continue,
+        };
+        if let Ok(v) = std::fs::read_to_string(&file) {
+            assert_eq!(v.trim(), (4u64 << 20).to_string(), "{file}");
+        }
+    }
     assert_eq!(
         exec(
             &mut rt,

@@ -126,6 +126,8 @@ pub struct ContainerView {
     pub state: ContainerState,
     pub started_at: i64,
     pub exit: Option<ExitInfo>,
+    /// The init process, while it runs (0 otherwise or when not asked for).
+    pub pid: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -1242,10 +1244,14 @@ impl Runtime {
     /// Current view of a container: live from its monitor while the pod runs.
     pub async fn container(&self, id: &str) -> Result<ContainerView> {
         let mut c = self.container_record(id)?;
+        let mut pid = 0;
         if let Ok(pod) = self.pod_of(&c) {
             if pod.state == PodState::Ready {
                 match self.monitor(&pod).state(&c.id).await {
                     Ok(s) => {
+                        if s.status == pb::Status::Running as i32 {
+                            pid = s.pid;
+                        }
                         if apply_state(&mut c, &s) {
                             self.store.put(Table::Containers, &c.id, &c)?;
                         }
@@ -1261,6 +1267,7 @@ impl Runtime {
             started_at: c.started_at,
             exit: c.exit.clone(),
             record: c,
+            pid,
         })
     }
 
@@ -1292,6 +1299,7 @@ impl Runtime {
                 state: c.state,
                 started_at: c.started_at,
                 exit: c.exit.clone(),
+                pid: 0,
                 record: c,
             })
             .collect())

@@ -429,7 +429,15 @@ impl RuntimeService for Runtime {
             ..Default::default()
         };
         if req.verbose {
-            resp.info.insert("info".into(), serde_json::json!({"podId": v.record.pod_id, "chainIDs": v.record.chain_ids, "spec": v.record.spec}).to_string());
+            // containerd's keys where they mean the same (tools read `pid` and `sandboxID`).
+            let info = serde_json::json!({
+                "sandboxID": v.record.pod_id,
+                "pid": v.pid,
+                "cgroupsPath": v.record.cgroups_path,
+                "chainIDs": v.record.chain_ids,
+                "spec": v.record.spec,
+            });
+            resp.info.insert("info".into(), info.to_string());
         }
         Ok(Response::new(resp))
     }
