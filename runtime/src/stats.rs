@@ -70,3 +70,25 @@ pub fn update(cgroups_path: &str, r: &crate::spec::Resources) -> Result<(), Stri
     })
     .map_err(|e| format!("update cgroup {cgroups_path}: {e}"))
 }
+
+/// Whether the node's cgroups can limit hugepages. kubelet sends a limit for every page size
+/// the kernel knows whether or not the hugetlb controller is there, and libcontainer refuses
+/// limits it cannot apply; runc skips them, and so does hako (see `drop_unsupported`).
+pub fn hugetlb_available() -> bool {
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    match std::fs::read_to_string(root.join("cgroup.controllers")) {
+        // Pure cgroup v2: the root lists its controllers.
+        Ok(list) => list.split_whitespace().any(|c| c == "hugetlb"),
+        // v1 or hybrid: a hugetlb hierarchy of its own.
+        Err(_) => root.join("hugetlb").is_dir(),
+    }
+}
+
+/// Removes limits this node's cgroups cannot apply; returns what was dropped, for the log.
+pub fn drop_unsupported(r: &mut crate::spec::Resources) -> Vec<String> {
+    let mut dropped = Vec::new();
+    if !r.hugepage_limits.is_empty() && !hugetlb_available() {
+        dropped.extend(r.hugepage_limits.drain(..).map(|(size, _)| format!("hugetlb {size}")));
+    }
+    dropped
+}

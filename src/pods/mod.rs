@@ -1048,7 +1048,14 @@ impl Runtime {
             drop_capabilities: sec.drop_capabilities.clone(),
             no_new_privileges: sec.no_new_privs,
             cgroups_path: format!("{cgroup_parent}/hako-{id}"),
-            resources: req.resources.clone(),
+            resources: {
+                let mut r = req.resources.clone();
+                let dropped = hako_runtime::stats::drop_unsupported(&mut r);
+                if !dropped.is_empty() {
+                    tracing::info!(container = %id, ?dropped, "limits this node's cgroups cannot apply are skipped");
+                }
+                r
+            },
             oom_score_adj: req.oom_score_adj.map(|adj| {
                 let adj = adj.clamp(-1000, 1000) as i32;
                 match self.oom_floor {
@@ -1183,12 +1190,14 @@ impl Runtime {
         let view = self.container(id).await?;
         let mut c = view.record;
         let resources = c.spec.resources.merged(&resources);
+        let mut applicable = resources.clone();
+        hako_runtime::stats::drop_unsupported(&mut applicable);
         if matches!(
             view.state,
             ContainerState::Created | ContainerState::Running
         ) {
             let path = c.cgroups_path.clone();
-            let r = resources.clone();
+            let r = applicable;
             tokio::task::spawn_blocking(move || hako_runtime::stats::update(&path, &r))
                 .await
                 .map_err(|e| Error::Internal(format!("update task: {e}")))?
