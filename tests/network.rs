@@ -556,7 +556,11 @@ exit 0"#,
     h.restart();
     let calls = std::fs::read_to_string(&log).unwrap();
     // The last GC: the one at the restart (the first start had no pods).
-    let gc = calls.split("== ").filter(|c| c.starts_with("GC")).last().unwrap();
+    let gc = calls
+        .split("== ")
+        .filter(|c| c.starts_with("GC"))
+        .last()
+        .unwrap();
     let stdin: serde_json::Value =
         serde_json::from_str(gc.trim_start_matches("GC ").trim()).unwrap();
     assert_eq!(

@@ -881,3 +881,57 @@ async fn stop_uses_the_images_stop_signal() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_container_that_cannot_start_reports_start_error() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("unstartable", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let id = rt
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(container_config("c", &["sleep", "60"])),
+            sandbox_config: Some(cfg.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .container_id;
+    // Its init process, waiting to be started, dies first (as an OOM kill or an operator would
+    // make it): the start cannot happen.
+    let init = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/cgroup"))
+                .is_ok_and(|c| c.contains(&format!("hako-{id}")))
+        })
+        .expect("the created container's init process");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(init),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let e = rt
+        .start_container(cri::StartContainerRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert!(e.message().contains(&id), "{e:?}");
+    let st = status(&mut rt, &id).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    assert_eq!(
+        (st.reason.as_str(), st.exit_code),
+        ("StartError", 128),
+        "{st:?}"
+    );
+    assert!(st.message.contains("start container"), "{st:?}");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

@@ -88,7 +88,11 @@ pub fn hugetlb_available() -> bool {
 pub fn drop_unsupported(r: &mut crate::spec::Resources) -> Vec<String> {
     let mut dropped = Vec::new();
     if !r.hugepage_limits.is_empty() && !hugetlb_available() {
-        dropped.extend(r.hugepage_limits.drain(..).map(|(size, _)| format!("hugetlb {size}")));
+        dropped.extend(
+            r.hugepage_limits
+                .drain(..)
+                .map(|(size, _)| format!("hugetlb {size}")),
+        );
     }
     dropped
 }
