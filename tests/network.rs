@@ -484,24 +484,9 @@ async fn a_pod_whose_network_namespace_is_gone_still_releases_its_lease() {
     let mut rt = h.runtime().await;
     let pod = run_pod(&mut rt, &pod_config("orphaned", logs.path())).await;
     assert_eq!(net.leased().len(), 1);
-    let info = rt
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: pod.clone(),
-            verbose: true,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .info;
-    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    let monitor = v["monitorPid"].as_i64().unwrap() as i32;
     // The monitor dies; the daemon notices at the next relist and releases the namespaces,
     // so the network namespace is gone by the time the pod is stopped.
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(monitor),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    kill_monitor(&mut rt, &pod).await;
     rt.list_containers(cri::ListContainersRequest::default())
         .await
         .unwrap();

@@ -508,22 +508,7 @@ async fn a_dead_monitor_is_detected_and_its_pod_reported() {
     )
     .await;
     wait_exited(&mut rt, &done).await;
-    let info = rt
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: pod.clone(),
-            verbose: true,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .info;
-    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    let monitor = v["monitorPid"].as_i64().unwrap() as i32;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(monitor),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    kill_monitor(&mut rt, &pod).await;
     // The next relist notices.
     let listed = rt
         .list_containers(cri::ListContainersRequest::default())

@@ -229,3 +229,23 @@ pub async fn remove_pod(rt: &mut Rt, pod: &str) {
     .await
     .unwrap();
 }
+
+/// SIGKILLs the pod's monitor (its pid from the verbose PodSandboxStatus).
+pub async fn kill_monitor(rt: &mut Rt, pod: &str) {
+    let info = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.into(),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let monitor = v["monitorPid"].as_i64().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(monitor),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+}
