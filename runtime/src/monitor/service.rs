@@ -84,13 +84,25 @@ impl FdReader {
         Ok(FdReader(fd))
     }
 
-    async fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+    /// Waits until the fd is readable, reads once into a buffer shared by every reader of this
+    /// (single-threaded) monitor and hands the bytes to `f` before any other task runs. One
+    /// 32 KiB buffer per monitor rather than one per container stream: idle pods stay small.
+    async fn read_with(&mut self, mut f: impl FnMut(&[u8])) -> std::io::Result<usize> {
+        thread_local! {
+            static BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0u8; 32 * 1024]);
+        }
         loop {
             let mut guard = self.0.readable().await?;
-            match guard.try_io(|fd| {
-                use std::os::fd::AsRawFd;
-                nix::unistd::read(fd.get_ref().as_raw_fd(), buf).map_err(std::io::Error::from)
-            }) {
+            let r = BUF.with_borrow_mut(|buf| {
+                guard.try_io(|fd| {
+                    use std::os::fd::AsRawFd;
+                    let n = nix::unistd::read(fd.get_ref().as_raw_fd(), buf)
+                        .map_err(std::io::Error::from)?;
+                    f(&buf[..n]);
+                    Ok(n)
+                })
+            });
+            match r {
                 Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Ok(0),
                 Ok(r) => return r,
                 Err(_would_block) => continue,
@@ -103,15 +115,19 @@ impl FdReader {
 fn pump(fd: OwnedFd, log: Arc<Mutex<LogWriter>>, stream: Stream) -> Result<(), Status> {
     let mut rx = FdReader::new(fd)?;
     tokio::spawn(async move {
-        let mut buf = vec![0u8; 32 * 1024];
         loop {
-            match rx.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if let Err(e) = log.lock().expect("log poisoned").write(stream, &buf[..n]) {
+            let wrote = rx
+                .read_with(|bytes| {
+                    if bytes.is_empty() {
+                        return;
+                    }
+                    if let Err(e) = log.lock().expect("log poisoned").write(stream, bytes) {
                         tracing::warn!(error = %e, "write container log");
                     }
-                }
+                })
+                .await;
+            if matches!(wrote, Ok(0) | Err(_)) {
+                break;
             }
         }
         let _ = log.lock().expect("log poisoned").close_stream(stream);
