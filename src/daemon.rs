@@ -111,8 +111,8 @@ impl Daemon {
         serde_json::to_string(&self.config).unwrap_or_default()
     }
 
-    pub fn set_pod_cidr(&self, cidr: String) {
-        self.network.set_pod_cidr(cidr);
+    pub fn set_pod_cidr(&self, cidr: String) -> Result<()> {
+        self.network.set_pod_cidr(cidr)
     }
 }
 

@@ -359,7 +359,7 @@ fi"#,
         serde_json::json!({
             "cniVersion": "1.0.0",
             "name": "recorded",
-            "plugins": [{"type": "recorder", "capabilities": {"portMappings": true, "dns": true}}]
+            "plugins": [{"type": "recorder", "capabilities": {"portMappings": true, "dns": true, "ipRanges": true, "bandwidth": true}}]
         })
         .to_string(),
     )
@@ -369,7 +369,19 @@ fi"#,
     };
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
+    // kubelet passes the node's pod CIDR; the IPAM gets it as ipRanges.
+    rt.update_runtime_config(cri::UpdateRuntimeConfigRequest {
+        runtime_config: Some(cri::RuntimeConfig {
+            network_config: Some(cri::NetworkConfig {
+                pod_cidr: "10.244.1.0/24".into(),
+            }),
+        }),
+    })
+    .await
+    .unwrap();
     let mut cfg = pod_config("recorded", logs.path());
+    cfg.annotations
+        .insert("kubernetes.io/egress-bandwidth".into(), "1M".into());
     cfg.dns_config = Some(cri::DnsConfig {
         servers: vec!["10.0.0.10".into()],
         searches: vec!["svc.cluster.local".into()],
@@ -426,10 +438,30 @@ fi"#,
         serde_json::json!([{"hostPort": 5353, "containerPort": 53, "protocol": "udp"}])
     );
     assert_eq!(stdin["runtimeConfig"]["dns"]["servers"][0], "10.0.0.10");
+    assert_eq!(
+        stdin["runtimeConfig"]["ipRanges"],
+        serde_json::json!([[{"subnet": "10.244.1.0/24"}]])
+    );
+    assert_eq!(stdin["runtimeConfig"]["bandwidth"]["egressRate"], 1_000_000);
+    assert!(
+        stdin["runtimeConfig"].get("cgroupPath").is_none(),
+        "not a capability it declared"
+    );
 
     // After a restart the running pod's attachment is CHECKed with the ADD result.
     h.kill9();
     h.restart();
+    // The pod CIDR is kept across the restart (kubelet only sends it when it changes).
+    let mut rt = h.runtime().await;
+    let again = run_pod(&mut rt, &pod_config("recorded-again", logs.path())).await;
+    let calls = std::fs::read_to_string(&log).unwrap();
+    let last_add = calls
+        .split("== ")
+        .filter(|c| c.starts_with("ADD"))
+        .last()
+        .unwrap();
+    assert!(last_add.contains("10.244.1.0/24"), "{last_add}");
+    remove_pod(&mut rt, &again).await;
     let calls = std::fs::read_to_string(&log).unwrap();
     let check = calls.split("== ").find(|c| c.starts_with("CHECK")).unwrap();
     assert!(check.contains("\"prevResult\""), "{check}");
@@ -437,7 +469,11 @@ fi"#,
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
     let calls = std::fs::read_to_string(&log).unwrap();
-    let del = calls.split("== ").find(|c| c.starts_with("DEL")).unwrap();
+    let del = calls
+        .split("== ")
+        .filter(|c| c.starts_with("DEL"))
+        .find(|c| c.contains(&format!("id={pod}")))
+        .unwrap();
     assert!(
         del.contains("10.9.9.9") && del.contains(&netns),
         "DEL gets the ADD result: {del}"

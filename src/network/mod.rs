@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::config::CniConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::pods::PodSpec;
 pub use cni::{Attachment, Cached, Cni};
 
@@ -19,12 +19,18 @@ pub const IFNAME: &str = "eth0";
 
 pub struct Network {
     pub cni: Cni,
-    /// From UpdateRuntimeConfig: offered to IPAM as `ipRanges`.
+    /// From UpdateRuntimeConfig: offered to IPAM as `ipRanges`. Kept on disk: kubelet sends
+    /// it when it changes, not again because the runtime restarted.
     pod_cidr: Mutex<String>,
+    pod_cidr_file: std::path::PathBuf,
 }
 
 impl Network {
     pub fn new(cfg: &CniConfig, root: &Path) -> Network {
+        let pod_cidr_file = root.join("cni").join("pod-cidr");
+        let pod_cidr = std::fs::read_to_string(&pod_cidr_file)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
         Network {
             cni: Cni {
                 conf_dir: cfg.conf_dir.clone(),
@@ -33,12 +39,26 @@ impl Network {
                 network_name: cfg.network_name.clone(),
                 plugin_timeout: Duration::from_secs(cfg.plugin_timeout_secs.max(1)),
             },
-            pod_cidr: Mutex::new(String::new()),
+            pod_cidr: Mutex::new(pod_cidr),
+            pod_cidr_file,
         }
     }
 
-    pub fn set_pod_cidr(&self, cidr: String) {
-        *self.pod_cidr.lock().expect("pod cidr poisoned") = cidr;
+    pub fn set_pod_cidr(&self, cidr: String) -> Result<()> {
+        let mut current = self.pod_cidr.lock().expect("pod cidr poisoned");
+        if *current == cidr {
+            return Ok(());
+        }
+        if let Some(dir) = self.pod_cidr_file.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
+        }
+        let tmp = self.pod_cidr_file.with_extension("tmp");
+        std::fs::write(&tmp, &cidr).map_err(|e| Error::io("write", &tmp, e))?;
+        std::fs::rename(&tmp, &self.pod_cidr_file)
+            .map_err(|e| Error::io("rename", &self.pod_cidr_file, e))?;
+        tracing::info!(pod_cidr = %cidr, "pod CIDR set");
+        *current = cidr;
+        Ok(())
     }
 
     /// The attachment of a pod whose network namespace is pinned at `netns`.

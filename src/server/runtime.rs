@@ -123,7 +123,9 @@ impl RuntimeService for Runtime {
             .map(|n| n.pod_cidr)
             .unwrap_or_default();
         tracing::debug!(rpc = "UpdateRuntimeConfig", pod_cidr = %cidr);
-        self.daemon.set_pod_cidr(cidr);
+        self.daemon
+            .set_pod_cidr(cidr)
+            .map_err(|e| status("UpdateRuntimeConfig", e))?;
         Ok(Response::new(cri::UpdateRuntimeConfigResponse {}))
     }
 
