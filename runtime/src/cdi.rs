@@ -15,6 +15,8 @@ use std::sync::Mutex;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::spec::{device_node, device_rule, Device};
+
 /// The CDI versions this implementation reads.
 const VERSIONS: &[&str] = &[
     "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0",
@@ -555,28 +557,6 @@ impl Registry {
     }
 }
 
-fn stat_node(host: &str) -> Result<(String, i64, i64, u32), String> {
-    use std::os::unix::fs::FileTypeExt;
-    let md = std::fs::metadata(host).map_err(|e| format!("device node {host}: {e}"))?;
-    let ft = md.file_type();
-    let kind = if ft.is_char_device() {
-        "c"
-    } else if ft.is_block_device() {
-        "b"
-    } else if ft.is_fifo() {
-        "p"
-    } else {
-        return Err(format!("{host} is not a device node"));
-    };
-    let rdev = md.rdev();
-    Ok((
-        kind.into(),
-        libc::major(rdev) as i64,
-        libc::minor(rdev) as i64,
-        md.mode() & 0o7777,
-    ))
-}
-
 fn push_unique(list: &mut Value, item: Value, key: &str) {
     let arr = list.as_array_mut().expect("array");
     arr.retain(|x| x.get(key) != item.get(key));
@@ -607,42 +587,51 @@ fn apply_one(spec: &mut Value, e: &Edits) -> Result<(), String> {
         }
     }
     for d in &e.device_nodes {
-        let host = d.host_path.clone().unwrap_or_else(|| d.path.clone());
-        let (kind, major, minor, mode) = match (&d.kind, d.major, d.minor) {
-            (Some(k), Some(ma), Some(mi)) => (k.clone(), ma, mi, d.file_mode.unwrap_or(0o666)),
-            (Some(k), _, _) if k == "p" => ("p".into(), 0, 0, d.file_mode.unwrap_or(0o666)),
+        let access = d.permissions.clone().unwrap_or_else(|| "rwm".into());
+        // Type and numbers as the spec gives them, else read from the host node.
+        let dev = match (&d.kind, d.major, d.minor) {
+            (Some(k), Some(major), Some(minor)) => Device {
+                kind: k.clone(),
+                major,
+                minor,
+                ..Default::default()
+            },
+            (Some(k), _, _) if k == "p" => Device {
+                kind: "p".into(),
+                ..Default::default()
+            },
             _ => {
-                let (k, ma, mi, mode) = stat_node(&host)?;
-                (
-                    d.kind.clone().unwrap_or(k),
-                    d.major.unwrap_or(ma),
-                    d.minor.unwrap_or(mi),
-                    d.file_mode.unwrap_or(mode),
-                )
+                let host = d.host_path.as_deref().unwrap_or(&d.path);
+                let found = crate::devices::host_node(Path::new(host), &d.path, &access)
+                    .map_err(|e| format!("device node {host}: {e}"))?
+                    .ok_or_else(|| format!("{host} is not a device node"))?;
+                Device {
+                    kind: d.kind.clone().unwrap_or(found.kind),
+                    major: d.major.unwrap_or(found.major),
+                    minor: d.minor.unwrap_or(found.minor),
+                    file_mode: found.file_mode,
+                    ..Default::default()
+                }
             }
         };
-        let mut node = json!({"path": d.path, "type": kind, "major": major, "minor": minor, "fileMode": d.file_mode.unwrap_or(mode)});
-        if let Some(u) = d.uid {
-            node["uid"] = json!(u);
-        }
-        if let Some(g) = d.gid {
-            node["gid"] = json!(g);
-        }
+        let dev = Device {
+            path: d.path.clone(),
+            file_mode: Some(d.file_mode.or(dev.file_mode).unwrap_or(0o666)),
+            uid: d.uid,
+            gid: d.gid,
+            access,
+            ..dev
+        };
         if spec["linux"].get("devices").is_none() {
             spec["linux"]["devices"] = json!([]);
         }
-        push_unique(&mut spec["linux"]["devices"], node, "path");
-        if kind != "p" {
-            if let Some(rules) = spec["linux"]["resources"]["devices"].as_array_mut() {
-                // Privileged containers have no rules (everything allowed): nothing to add.
-                rules.push(json!({
-                    "allow": true,
-                    "type": if kind == "u" { "c" } else { kind.as_str() },
-                    "major": major,
-                    "minor": minor,
-                    "access": d.permissions.clone().unwrap_or_else(|| "rwm".into()),
-                }));
-            }
+        push_unique(&mut spec["linux"]["devices"], device_node(&dev), "path");
+        // Privileged containers have no rules (everything allowed): nothing to add.
+        if let (Some(rules), Some(rule)) = (
+            spec["linux"]["resources"]["devices"].as_array_mut(),
+            device_rule(&dev),
+        ) {
+            rules.push(rule);
         }
     }
     for m in &e.mounts {

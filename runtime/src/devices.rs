@@ -1,5 +1,5 @@
 //! Host device nodes as container devices: type and numbers read from the host node, for CRI
-//! `Device`s, privileged containers (every host device) and, later, CDI device nodes.
+//! `Device`s, privileged containers (every host device) and CDI device nodes.
 
 use std::io::{Error, ErrorKind, Result};
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -10,13 +10,17 @@ use crate::spec::Device;
 /// Directories under /dev that hold no device a container should get as a node.
 const SKIP_DIRS: &[&str] = &["pts", "shm", "fd", "mqueue", ".lxc", ".lxd-mounts", ".udev"];
 
-fn node(host: &Path, container_path: &str, access: &str) -> Result<Option<Device>> {
+/// The host node at `host` as a container device at `container_path`: character, block or
+/// (for CDI) fifo; `None` for anything else.
+pub fn host_node(host: &Path, container_path: &str, access: &str) -> Result<Option<Device>> {
     let md = std::fs::metadata(host)?;
     let ft = md.file_type();
     let kind = if ft.is_char_device() {
         "c"
     } else if ft.is_block_device() {
         "b"
+    } else if ft.is_fifo() {
+        "p"
     } else {
         return Ok(None);
     };
@@ -31,6 +35,11 @@ fn node(host: &Path, container_path: &str, access: &str) -> Result<Option<Device
         gid: Some(md.gid()),
         access: access.into(),
     }))
+}
+
+/// A character or block device only: what CRI devices and privileged containers get.
+fn node(host: &Path, container_path: &str, access: &str) -> Result<Option<Device>> {
+    Ok(host_node(host, container_path, access)?.filter(|d| d.kind != "p"))
 }
 
 /// Checks a cgroup access string: one or more of r, w, m; empty means all.

@@ -567,11 +567,8 @@ fn resources(s: &ContainerSpec) -> Value {
             {"allow": true, "type": "c", "major": 5, "minor": 2, "access": "rwm"},
             {"allow": true, "type": "c", "major": 136, "access": "rwm"},
         ]);
-        for d in &s.devices {
-            v["devices"].as_array_mut().expect("array above").push(json!({
-                "allow": true, "type": d.kind, "major": d.major, "minor": d.minor, "access": d.access,
-            }));
-        }
+        let rules = v["devices"].as_array_mut().expect("array above");
+        rules.extend(s.devices.iter().filter_map(device_rule));
     }
     v
 }
@@ -624,23 +621,36 @@ pub fn limits(r: &Resources) -> Value {
     v
 }
 
+/// A `linux.devices` entry.
+pub fn device_node(d: &Device) -> Value {
+    let mut v = json!({"path": d.path, "type": d.kind, "major": d.major, "minor": d.minor});
+    if let Some(m) = d.file_mode {
+        v["fileMode"] = json!(m);
+    }
+    if let Some(u) = d.uid {
+        v["uid"] = json!(u);
+    }
+    if let Some(g) = d.gid {
+        v["gid"] = json!(g);
+    }
+    v
+}
+
+/// The device cgroup rule that lets the container use `d` (fifos need none; an unbuffered
+/// character device, "u", is a character device to the cgroup).
+pub fn device_rule(d: &Device) -> Option<Value> {
+    let kind = match d.kind.as_str() {
+        "p" => return None,
+        "u" => "c",
+        k => k,
+    };
+    Some(
+        json!({"allow": true, "type": kind, "major": d.major, "minor": d.minor, "access": d.access}),
+    )
+}
+
 fn devices(s: &ContainerSpec) -> Value {
-    s.devices
-        .iter()
-        .map(|d| {
-            let mut v = json!({"path": d.path, "type": d.kind, "major": d.major, "minor": d.minor});
-            if let Some(m) = d.file_mode {
-                v["fileMode"] = json!(m);
-            }
-            if let Some(u) = d.uid {
-                v["uid"] = json!(u);
-            }
-            if let Some(g) = d.gid {
-                v["gid"] = json!(g);
-            }
-            v
-        })
-        .collect()
+    s.devices.iter().map(device_node).collect()
 }
 
 /// The OCI spec for `s`, as JSON.
