@@ -61,7 +61,7 @@ impl Daemon {
         let cdi = Arc::new(hako_runtime::cdi::Registry::new(
             config.cdi.spec_dirs.clone(),
         ));
-        let _ = cdi.errors();
+        let _ = cdi.report();
         let runtime = crate::pods::Runtime::new(
             store,
             images.clone(),

@@ -5,7 +5,7 @@
 //! Spec files are JSON or YAML, `cdiVersion` 0.3.0 to 1.0.x. A file is parsed again whenever
 //! its size, mtime or inode changes, so the next container sees a spec that was added, changed
 //! or removed, without a restart. A broken file makes only its own devices unavailable; it is
-//! logged once per version of the file and listed by [`Registry::errors`].
+//! logged once per version of the file and listed by [`Registry::report`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::MetadataExt;
@@ -448,23 +448,12 @@ impl Registry {
         }
     }
 
-    /// Broken spec files and why, for `Status` and the log.
-    pub fn errors(&self) -> Vec<(PathBuf, String)> {
+    /// Every device the registry can give (fully qualified), and the broken spec files with
+    /// why: for `Status` and the start-up log. One look at the directories.
+    pub fn report(&self) -> (Vec<String>, Vec<(PathBuf, String)>) {
         self.refresh();
         let cache = self.cache.lock().expect("cdi cache poisoned");
-        let mut out: Vec<_> = cache
-            .iter()
-            .filter_map(|(p, l)| l.spec.as_ref().err().map(|e| (p.clone(), e.clone())))
-            .collect();
-        out.sort();
-        out
-    }
-
-    /// Every device the registry can give, fully qualified.
-    pub fn devices(&self) -> Vec<String> {
-        self.refresh();
-        let cache = self.cache.lock().expect("cdi cache poisoned");
-        let mut out: Vec<String> = cache
+        let mut devices: Vec<String> = cache
             .values()
             .filter_map(|l| l.spec.as_ref().ok())
             .flat_map(|s| {
@@ -473,9 +462,14 @@ impl Registry {
                     .map(move |d| format!("{}={}", s.kind, d.name))
             })
             .collect();
-        out.sort();
-        out.dedup();
-        out
+        devices.sort();
+        devices.dedup();
+        let mut errors: Vec<_> = cache
+            .iter()
+            .filter_map(|(p, l)| l.spec.as_ref().err().map(|e| (p.clone(), e.clone())))
+            .collect();
+        errors.sort();
+        (devices, errors)
     }
 
     /// Resolves fully qualified device names (duplicates dropped, order kept).
@@ -842,7 +836,7 @@ mod tests {
             "{e:?}"
         );
         assert!(reg.resolve(&["example.com/gpu=gpu0".into()]).is_ok());
-        assert_eq!(reg.errors().len(), 1);
+        assert_eq!(reg.report().1.len(), 1);
 
         // Removed: unknown again.
         std::fs::remove_file(etc.path().join("gpu.json")).unwrap();

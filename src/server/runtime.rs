@@ -83,10 +83,9 @@ impl RuntimeService for Runtime {
             resp.info.insert("config".into(), self.daemon.config_json());
             // Broken CDI specs are reported here (and logged), never skipped silently.
             let cdi = self.daemon.cdi.clone();
-            let (devices, errors) =
-                tokio::task::spawn_blocking(move || (cdi.devices(), cdi.errors()))
-                    .await
-                    .unwrap_or_default();
+            let (devices, errors) = tokio::task::spawn_blocking(move || cdi.report())
+                .await
+                .unwrap_or_default();
             let errors: Vec<serde_json::Value> = errors
                 .into_iter()
                 .map(|(file, error)| serde_json::json!({"file": file, "error": error}))
