@@ -1012,7 +1012,7 @@ impl Runtime {
             )),
         };
         let devices = if sec.privileged {
-            host_devices()
+            hako_runtime::devices::host_devices()
         } else {
             req.devices
                 .iter()
@@ -1393,10 +1393,6 @@ fn device_nodes(d: &DeviceReq) -> Result<Vec<spec::Device>> {
             _ => Error::InvalidArgument(e.to_string()),
         }
     })
-}
-
-fn host_devices() -> Vec<spec::Device> {
-    hako_runtime::devices::host_devices()
 }
 
 /// A signal as images name it in STOPSIGNAL: "SIGQUIT", "QUIT", "3" or "SIGRTMIN+3".
