@@ -167,6 +167,14 @@ fn per_pod_processes(r: &Runtime) -> Vec<i32> {
     out
 }
 
+/// Adds the time since `t` to `step`'s samples, in ms.
+fn record(times: &mut BTreeMap<&'static str, Vec<f64>>, step: &'static str, t: Instant) {
+    times
+        .entry(step)
+        .or_default()
+        .push(t.elapsed().as_secs_f64() * 1e3);
+}
+
 async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str, Vec<f64>>) {
     let mut c = client(&r.socket).await;
     let cfg = pod_config(&format!("bench-{round}"));
@@ -181,10 +189,7 @@ async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str,
         .unwrap_or_else(|e| panic!("{}: {e}", r.name))
         .into_inner()
         .pod_sandbox_id;
-    times
-        .entry(STEPS[0])
-        .or_default()
-        .push(t.elapsed().as_secs_f64() * 1e3);
+    record(times, STEPS[0], t);
     let t = Instant::now();
     let id = c
         .runtime
@@ -197,10 +202,7 @@ async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str,
         .unwrap_or_else(|e| panic!("{}: {e}", r.name))
         .into_inner()
         .container_id;
-    times
-        .entry(STEPS[1])
-        .or_default()
-        .push(t.elapsed().as_secs_f64() * 1e3);
+    record(times, STEPS[1], t);
     let t = Instant::now();
     c.runtime
         .start_container(cri::StartContainerRequest {
@@ -208,10 +210,7 @@ async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str,
         })
         .await
         .unwrap();
-    times
-        .entry(STEPS[2])
-        .or_default()
-        .push(t.elapsed().as_secs_f64() * 1e3);
+    record(times, STEPS[2], t);
     let t = Instant::now();
     let out = c
         .runtime
@@ -224,10 +223,7 @@ async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str,
         .unwrap()
         .into_inner();
     assert_eq!(out.exit_code, 0);
-    times
-        .entry(STEPS[3])
-        .or_default()
-        .push(t.elapsed().as_secs_f64() * 1e3);
+    record(times, STEPS[3], t);
     let t = Instant::now();
     c.runtime
         .stop_container(cri::StopContainerRequest {
@@ -236,10 +232,7 @@ async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str,
         })
         .await
         .unwrap();
-    times
-        .entry(STEPS[4])
-        .or_default()
-        .push(t.elapsed().as_secs_f64() * 1e3);
+    record(times, STEPS[4], t);
     let t = Instant::now();
     c.runtime
         .stop_pod_sandbox(cri::StopPodSandboxRequest {
@@ -247,10 +240,7 @@ async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str,
         })
         .await
         .unwrap();
-    times
-        .entry(STEPS[5])
-        .or_default()
-        .push(t.elapsed().as_secs_f64() * 1e3);
+    record(times, STEPS[5], t);
     c.runtime
         .remove_pod_sandbox(cri::RemovePodSandboxRequest {
             pod_sandbox_id: pod,
@@ -334,10 +324,10 @@ fn main() {
                 cfg.linux = None;
                 let t = Instant::now();
                 let pod = c.runtime.run_pod_sandbox(cri::RunPodSandboxRequest { config: Some(cfg), runtime_handler: String::new() }).await.unwrap_or_else(|e| panic!("{}: {e}", r.name)).into_inner().pod_sandbox_id;
-                net_times[i].entry("RunPodSandbox").or_default().push(t.elapsed().as_secs_f64() * 1e3);
+                record(&mut net_times[i], "RunPodSandbox", t);
                 let t = Instant::now();
                 c.runtime.stop_pod_sandbox(cri::StopPodSandboxRequest { pod_sandbox_id: pod.clone() }).await.unwrap();
-                net_times[i].entry("StopPodSandbox").or_default().push(t.elapsed().as_secs_f64() * 1e3);
+                record(&mut net_times[i], "StopPodSandbox", t);
                 c.runtime.remove_pod_sandbox(cri::RemovePodSandboxRequest { pod_sandbox_id: pod }).await.unwrap();
             }
         }

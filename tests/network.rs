@@ -243,13 +243,7 @@ exit 0"#,
     };
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
-    let e = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(pod_config("unlucky", logs.path())),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap_err();
+    let e = run_pod_err(&mut rt, &pod_config("unlucky", logs.path())).await;
     let m = e.message();
     assert!(
         m.contains("CNI plugin failer") && m.contains("cannot attach: quota exhausted"),
@@ -273,13 +267,7 @@ exit 0"#,
 
     net.write_conflist("10-test.conflist", &[serde_json::json!({"type": "hanger"})]);
     let started = std::time::Instant::now();
-    let e = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(pod_config("stuck", logs.path())),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap_err();
+    let e = run_pod_err(&mut rt, &pod_config("stuck", logs.path())).await;
     assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
     assert!(e.message().contains("CNI plugin hanger"), "{e:?}");
     assert!(started.elapsed() < Duration::from_secs(30));
@@ -308,25 +296,15 @@ async fn without_config_network_is_not_ready_and_host_network_pods_still_run() {
         cond.message.contains("no CNI network config in"),
         "{cond:?}"
     );
-    let mut cfg = pod_config("hostnet", logs.path());
-    cfg.linux = Some(cri::LinuxPodSandboxConfig {
-        security_context: Some(cri::LinuxSandboxSecurityContext {
-            namespace_options: Some(cri::NamespaceOption {
-                network: cri::NamespaceMode::Node as i32,
-                ..Default::default()
-            }),
+    let cfg = with_namespaces(
+        pod_config("hostnet", logs.path()),
+        cri::NamespaceOption {
+            network: cri::NamespaceMode::Node as i32,
             ..Default::default()
-        }),
-        ..Default::default()
-    });
+        },
+    );
     // A pod network cannot be made; the host's can.
-    let e = rt
-        .run_pod_sandbox(cri::RunPodSandboxRequest {
-            config: Some(pod_config("podnet", logs.path())),
-            runtime_handler: String::new(),
-        })
-        .await
-        .unwrap_err();
+    let e = run_pod_err(&mut rt, &pod_config("podnet", logs.path())).await;
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
     assert!(e.message().contains("no CNI network config"), "{e:?}");
     let pod = run_pod(&mut rt, &cfg).await;

@@ -50,16 +50,7 @@ async fn pod_and_container_lifecycle() {
         .unwrap()
         .into_inner()
         .container_id;
-    let st = rt
-        .container_status(cri::ContainerStatusRequest {
-            container_id: cid.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap();
+    let st = status(&mut rt, &cid).await;
     assert_eq!(st.state, cri::ContainerState::ContainerCreated as i32);
     rt.start_container(cri::StartContainerRequest {
         container_id: cid.clone(),
@@ -332,32 +323,14 @@ async fn pods_outlive_a_killed_daemon_and_exits_are_reported_after_restart() {
     );
     h.restart();
     let mut rt = h.runtime().await;
-    let st = rt
-        .container_status(cri::ContainerStatusRequest {
-            container_id: short.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap();
+    let st = status(&mut rt, &short).await;
     assert_eq!(
         st.state,
         cri::ContainerState::ContainerExited as i32,
         "the exit while the daemon was down is known"
     );
     assert_eq!(st.exit_code, 5);
-    let st = rt
-        .container_status(cri::ContainerStatusRequest {
-            container_id: ticker.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap();
+    let st = status(&mut rt, &ticker).await;
     assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
     assert_eq!(exec(&mut rt, &ticker, "echo alive").await, "alive");
     let pods = rt
@@ -526,16 +499,7 @@ async fn a_dead_monitor_is_detected_and_its_pod_reported() {
         state(&running),
         cri::ContainerState::ContainerUnknown as i32
     );
-    let st = rt
-        .container_status(cri::ContainerStatusRequest {
-            container_id: done.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap();
+    let st = status(&mut rt, &done).await;
     assert_eq!(st.exit_code, 4);
     let p = rt
         .pod_sandbox_status(cri::PodSandboxStatusRequest {
@@ -605,18 +569,14 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
     };
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
-    let mut cfg = pod_config("features", logs.path());
     // What kubelet sends for a pod without shareProcessNamespace.
-    cfg.linux = Some(cri::LinuxPodSandboxConfig {
-        security_context: Some(cri::LinuxSandboxSecurityContext {
-            namespace_options: Some(cri::NamespaceOption {
-                pid: cri::NamespaceMode::Container as i32,
-                ..Default::default()
-            }),
+    let cfg = with_namespaces(
+        pod_config("features", logs.path()),
+        cri::NamespaceOption {
+            pid: cri::NamespaceMode::Container as i32,
             ..Default::default()
-        }),
-        ..Default::default()
-    });
+        },
+    );
     let pod = run_pod(&mut rt, &cfg).await;
 
     // A TTY container: its output arrives through a pty, all of it as stdout.

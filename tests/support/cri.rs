@@ -78,6 +78,21 @@ pub fn pod_config(name: &str, log_dir: &std::path::Path) -> cri::PodSandboxConfi
     }
 }
 
+/// `cfg` with pod-level namespace modes, as kubelet sets them in the sandbox security context.
+pub fn with_namespaces(
+    mut cfg: cri::PodSandboxConfig,
+    ns: cri::NamespaceOption,
+) -> cri::PodSandboxConfig {
+    cfg.linux = Some(cri::LinuxPodSandboxConfig {
+        security_context: Some(cri::LinuxSandboxSecurityContext {
+            namespace_options: Some(ns),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    cfg
+}
+
 pub fn container_config(name: &str, cmd: &[&str]) -> cri::ContainerConfig {
     cri::ContainerConfig {
         metadata: Some(cri::ContainerMetadata {
@@ -96,16 +111,7 @@ pub fn container_config(name: &str, cmd: &[&str]) -> cri::ContainerConfig {
 
 pub async fn wait_exited(rt: &mut Rt, id: &str) -> cri::ContainerStatus {
     for _ in 0..300 {
-        let s = rt
-            .container_status(cri::ContainerStatusRequest {
-                container_id: id.into(),
-                verbose: false,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .status
-            .unwrap();
+        let s = status(rt, id).await;
         if s.state == cri::ContainerState::ContainerExited as i32 {
             return s;
         }
@@ -123,6 +129,16 @@ pub async fn run_pod(rt: &mut Rt, cfg: &cri::PodSandboxConfig) -> String {
     .unwrap()
     .into_inner()
     .pod_sandbox_id
+}
+
+/// RunPodSandbox that is expected to fail; its error.
+pub async fn run_pod_err(rt: &mut Rt, cfg: &cri::PodSandboxConfig) -> tonic::Status {
+    rt.run_pod_sandbox(cri::RunPodSandboxRequest {
+        config: Some(cfg.clone()),
+        runtime_handler: String::new(),
+    })
+    .await
+    .unwrap_err()
 }
 
 pub async fn run_container(
