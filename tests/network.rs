@@ -19,7 +19,7 @@ async fn on_net(net: &TestNet, timeout_secs: u64) -> Option<(Registry, Hako)> {
     ready_with_config(&net.hako_config(timeout_secs)).await
 }
 
-async fn pod_ip(rt: &mut Rt, pod: &str) -> String {
+async fn pod_network(rt: &mut Rt, pod: &str) -> cri::PodSandboxNetworkStatus {
     rt.pod_sandbox_status(cri::PodSandboxStatusRequest {
         pod_sandbox_id: pod.into(),
         verbose: false,
@@ -31,7 +31,10 @@ async fn pod_ip(rt: &mut Rt, pod: &str) -> String {
     .unwrap()
     .network
     .unwrap()
-    .ip
+}
+
+async fn pod_ip(rt: &mut Rt, pod: &str) -> String {
+    pod_network(rt, pod).await.ip
 }
 
 async fn network_ready(rt: &mut Rt) -> cri::RuntimeCondition {
@@ -372,18 +375,7 @@ fi"#,
         host_ip: String::new(),
     }];
     let pod = run_pod(&mut rt, &cfg).await;
-    let st = rt
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: pod.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap()
-        .network
-        .unwrap();
+    let st = pod_network(&mut rt, &pod).await;
     assert_eq!(st.ip, "10.9.9.9");
     assert_eq!(st.additional_ips[0].ip, "fd00::9");
 

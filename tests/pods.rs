@@ -82,21 +82,7 @@ async fn pod_and_container_lifecycle() {
             "trap 'exit 3' TERM; while true; do sleep 0.1; done",
         ],
     );
-    let sid = rt
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: pod.clone(),
-            config: Some(cc),
-            sandbox_config: Some(cfg.clone()),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .container_id;
-    rt.start_container(cri::StartContainerRequest {
-        container_id: sid.clone(),
-    })
-    .await
-    .unwrap();
+    let sid = run_container(&mut rt, &pod, &cfg, cc).await;
     let out = rt
         .exec_sync(cri::ExecSyncRequest {
             container_id: sid.clone(),
