@@ -19,14 +19,18 @@ pub struct Sample {
     pub pids: u64,
 }
 
-/// Reads the cgroup at `cgroups_path` (as in the OCI spec, e.g. `/kubepods/pod1/hako-<id>`).
-pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
-    let cm = create_cgroup_manager(CgroupConfig {
+fn manager(cgroups_path: &str) -> Result<libcgroups::common::AnyCgroupManager, String> {
+    create_cgroup_manager(CgroupConfig {
         cgroup_path: PathBuf::from(cgroups_path),
         systemd_cgroup: false,
         container_name: String::new(),
     })
-    .map_err(|e| format!("cgroup {cgroups_path}: {e}"))?;
+    .map_err(|e| format!("cgroup {cgroups_path}: {e}"))
+}
+
+/// Reads the cgroup at `cgroups_path` (as in the OCI spec, e.g. `/kubepods/pod1/hako-<id>`).
+pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
+    let cm = manager(cgroups_path)?;
     // libcgroups passes cgroup v2's cpu.stat usage_usec through as is (microseconds); v1's
     // cpuacct.usage is nanoseconds.
     let cpu_scale = match cm {
@@ -56,12 +60,7 @@ pub fn update(cgroups_path: &str, r: &crate::spec::Resources) -> Result<(), Stri
     let resources: oci_spec::runtime::LinuxResources =
         serde_json::from_value(crate::spec::limits(r))
             .map_err(|e| format!("resources for cgroup {cgroups_path}: {e}"))?;
-    let cm = create_cgroup_manager(CgroupConfig {
-        cgroup_path: PathBuf::from(cgroups_path),
-        systemd_cgroup: false,
-        container_name: String::new(),
-    })
-    .map_err(|e| format!("cgroup {cgroups_path}: {e}"))?;
+    let cm = manager(cgroups_path)?;
     cm.apply(&ControllerOpt {
         resources: &resources,
         disable_oom_killer: false,

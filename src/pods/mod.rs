@@ -735,7 +735,9 @@ impl Runtime {
         };
         // CDI devices resolve before anything is made: an unknown one leaves nothing behind.
         let cdi_names = cdi_requests(&req, &pod);
-        let cdi = {
+        let cdi = if cdi_names.is_empty() {
+            Ok(Default::default())
+        } else {
             let (reg, names) = (self.cdi.clone(), cdi_names.clone());
             tokio::task::spawn_blocking(move || reg.resolve(&names))
                 .await
