@@ -1,9 +1,11 @@
 //! hako-runtime: the embedded OCI executor — OCI spec generation ([`spec`]), the per-pod
 //! monitor process ([`monitor`]) that creates containers through youki's libcontainer, and the
 //! CRI log writer ([`logs`]), host device nodes ([`devices`]), CDI
-//! device specs and edits ([`cdi`]).
+//! device specs and edits ([`cdi`]), and [`cgroup_warm`], which readies the kernel's
+//! cgroup-migration lock before a container joins its cgroups.
 
 pub mod cdi;
+pub mod cgroup_warm;
 pub mod devices;
 pub mod logs;
 pub mod monitor;
