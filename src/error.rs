@@ -123,7 +123,8 @@ store_error_from!(
     redb::TransactionError,
     redb::TableError,
     redb::StorageError,
-    redb::CommitError
+    redb::CommitError,
+    redb::SetDurabilityError
 );
 
 #[cfg(test)]

@@ -287,8 +287,13 @@ impl Store {
     }
 
     /// Reserves `name` for `id`; returns the id that already holds it, if another does.
+    ///
+    /// Not synced on its own: the record commit that ends a RunPodSandbox or CreateContainer
+    /// makes it durable (redb persists earlier commits with the next durable one). A crash
+    /// before that loses it together with the record; what the call had made by then is an
+    /// orphan that `Runtime::reconcile` releases at start.
     pub fn reserve(&self, name: &str, id: &str) -> Result<Option<String>> {
-        let txn = self.db.begin_write()?;
+        let txn = self.lazy_write()?;
         let holder = {
             let mut t = txn.open_table(RESERVATIONS)?;
             let existing = t.get(name)?.map(|v| v.value().to_string());
@@ -317,9 +322,10 @@ impl Store {
         Ok(())
     }
 
-    /// Keeps `chain_ids` from GC for as long as `owner` holds them.
+    /// Keeps `chain_ids` from GC for as long as `owner` holds them. Visible to GC at once;
+    /// made durable by the owner's record commit, as a reservation is.
     pub fn pin(&self, owner: &str, chain_ids: &[String]) -> Result<()> {
-        let txn = self.db.begin_write()?;
+        let txn = self.lazy_write()?;
         txn.open_table(PINS)?
             .insert(owner, encode(&chain_ids).as_slice())?;
         txn.commit()?;
@@ -331,6 +337,36 @@ impl Store {
         txn.open_table(PINS)?.remove(owner)?;
         txn.commit()?;
         Ok(())
+    }
+
+    /// A write transaction whose commit is not synced (see [`Store::reserve`]).
+    fn lazy_write(&self) -> Result<redb::WriteTransaction> {
+        let mut txn = self.db.begin_write()?;
+        txn.set_durability(redb::Durability::None)?;
+        Ok(txn)
+    }
+
+    /// Every reservation, as (name, holder id).
+    pub fn reservations(&self) -> Result<Vec<(String, String)>> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(RESERVATIONS)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            let (k, v) = row?;
+            out.push((k.value().to_string(), v.value().to_string()));
+        }
+        Ok(out)
+    }
+
+    /// The owners of pins.
+    pub fn pin_owners(&self) -> Result<Vec<String>> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(PINS)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            out.push(row?.0.value().to_string());
+        }
+        Ok(out)
     }
 
     pub fn pinned(&self) -> Result<Vec<String>> {

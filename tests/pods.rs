@@ -866,3 +866,80 @@ async fn a_container_that_cannot_start_reports_start_error() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// A crash between the first step of a RunPodSandbox or CreateContainer and the record that
+/// ends it, made by killing the daemon and deleting from its store the records that crash
+/// would not have written. The restarted daemon releases all the unfinished objects held, and
+/// kubelet's retries under the same names succeed.
+#[tokio::test(flavor = "multi_thread")]
+async fn what_a_crash_cut_short_is_released_and_its_names_are_free_again() {
+    let Some((_reg, mut h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let sleeper = |name: &str| container_config(name, &["sleep", "3600"]);
+    // Pod `keeps` stays; its container `half` loses its record.
+    let keeps_cfg = pod_config("keeps", logs.path());
+    let keeps = run_pod(&mut rt, &keeps_cfg).await;
+    let half = run_container(&mut rt, &keeps, &keeps_cfg, sleeper("half")).await;
+    let half_pid = container_pid(&mut rt, &half).await;
+    // Pod `lost` loses its record, and so does its container.
+    let lost_cfg = pod_config("lost", logs.path());
+    let lost = run_pod(&mut rt, &lost_cfg).await;
+    let inner = run_container(&mut rt, &lost, &lost_cfg, sleeper("inner")).await;
+    let inner_pid = container_pid(&mut rt, &inner).await;
+    h.kill9();
+    {
+        use hako::store::{Store, Table};
+        let store = Store::open(&h.root.join("meta.db")).unwrap();
+        for (t, id) in [
+            (Table::Containers, &half),
+            (Table::Containers, &inner),
+            (Table::Pods, &lost),
+        ] {
+            store.delete(t, id).unwrap();
+        }
+    }
+    h.restart();
+    let mut rt = h.runtime().await;
+    for pid in [half_pid, inner_pid] {
+        assert!(
+            !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+            "process {pid} of an unfinished container still runs"
+        );
+    }
+    let again = run_container(&mut rt, &keeps, &keeps_cfg, sleeper("half")).await;
+    assert_ne!(again, half, "a new container under the freed name");
+    assert_eq!(exec(&mut rt, &again, "echo up").await, "up");
+    // Nothing of the lost pod is left, and its name is free.
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    for id in [&lost, &inner, &half] {
+        assert!(!mounts.contains(id.as_str()), "a mount of {id} is left");
+    }
+    assert!(!h.dir.path().join("state/pods").join(&lost).exists());
+    for id in [&inner, &half] {
+        assert!(!h.dir.path().join("state/containers").join(id).exists());
+        assert!(!h.dir.path().join("root/containers").join(id).exists());
+    }
+    let lost_again = run_pod(&mut rt, &lost_cfg).await;
+    assert_ne!(lost_again, lost);
+    remove_pod(&mut rt, &keeps).await;
+    remove_pod(&mut rt, &lost_again).await;
+    assert_no_leaks(&h, &keeps);
+    assert_no_leaks(&h, &lost_again);
+}
+
+async fn container_pid(rt: &mut Rt, id: &str) -> i32 {
+    let info = rt
+        .container_status(cri::ContainerStatusRequest {
+            container_id: id.into(),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    v["pid"].as_i64().expect("verbose info has the pid") as i32
+}

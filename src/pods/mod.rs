@@ -14,7 +14,7 @@ mod monitor_client;
 pub mod rootfs;
 pub mod types;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -315,6 +315,7 @@ impl Runtime {
                 spec.runtime_handler
             )));
         }
+        let t0 = std::time::Instant::now();
         let key = spec.reservation();
         let _guard = self.name_lock(&key).await;
         if let Some(existing) = self.store.reserved(&key)? {
@@ -368,12 +369,15 @@ impl Runtime {
             namespaces: ns,
             sysctls: net_sysctls.chain(ipc_sysctls).collect(),
         };
+        let t_prepared = t0.elapsed();
         let pid = monitor_client::spawn(&opts)
             .await
             .map_err(|e| e.context(format!("start pod {}", spec.name)))?;
+        let t_spawned = t0.elapsed();
         let client = MonitorClient::new(dir.join("monitor.sock"));
         let recorded = async {
             let info = client.info().await?;
+            let t_info = t0.elapsed();
             let namespaces: BTreeMap<String, String> = info.namespaces.into_iter().collect();
             let ips = match namespaces.get("network") {
                 Some(netns) => {
@@ -385,6 +389,7 @@ impl Runtime {
                 }
                 None => Vec::new(),
             };
+            let t_network = t0.elapsed();
             let record = PodRecord {
                 v: RECORD_VERSION,
                 id: id.clone(),
@@ -399,6 +404,16 @@ impl Runtime {
                 let _ = self.network.cni.del(&id, IFNAME).await;
                 return Err(e);
             }
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            tracing::debug!(
+                pod = %id,
+                prepare_ms = ms(t_prepared),
+                monitor_ms = ms(t_spawned - t_prepared),
+                connect_ms = ms(t_info - t_spawned),
+                network_ms = ms(t_network - t_info),
+                record_ms = ms(t0.elapsed() - t_network),
+                "run timings"
+            );
             Ok::<_, Error>(record)
         }
         .await;
@@ -567,23 +582,8 @@ impl Runtime {
             self.store.put(Table::Containers, &c.id, &c)?;
             let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
         }
-        // The infra process outlives its monitor (it was reparented): it still carries the
-        // monitor's command line, which names the pod.
-        let needle = format!("\"pod_id\":\"{}\"", pod.id);
-        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-                continue;
-            };
-            if std::fs::read(e.path().join("cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
-            {
-                tracing::warn!(pod = %pod.id, pid, "killing the pod's orphaned infra process");
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
+        // The infra process outlives its monitor (it was reparented).
+        kill_pod_processes(&pod.id);
         hako_runtime::monitor::unpin_namespaces(&dir);
         let mut pod = pod.clone();
         pod.state = PodState::NotReady;
@@ -605,7 +605,90 @@ impl Runtime {
                 self.check_monitor(&pod, &e)?;
             }
         }
+        self.release_orphans().await?;
         self.network_gc().await;
+        Ok(())
+    }
+
+    /// At start: what a crash in the middle of a RunPodSandbox or CreateContainer made before
+    /// its record was written (a monitor and its namespaces, a container in a live pod, an
+    /// overlay mount, directories, a name reservation, an image pin) is released, so kubelet's
+    /// retry under the same name succeeds instead of finding the name reserved by an object
+    /// nobody can list or remove. Each release is logged.
+    async fn release_orphans(&self) -> Result<()> {
+        let pods: HashMap<String, PodRecord> = self
+            .pods()?
+            .into_iter()
+            .map(|p| (p.id.clone(), p))
+            .collect();
+        let containers: HashSet<String> = self
+            .store
+            .all::<ContainerRecord>(Table::Containers)?
+            .into_iter()
+            .map(|c| c.id)
+            .collect();
+        for pod in pods.values().filter(|p| p.state == PodState::Ready) {
+            let monitor = self.monitor(pod);
+            let Ok(info) = monitor.info().await else {
+                continue;
+            };
+            for c in info
+                .containers
+                .iter()
+                .filter(|c| !containers.contains(&c.id))
+            {
+                tracing::warn!(pod = %pod.id, container = %c.id, "deleting a container whose create did not finish");
+                monitor.delete(&c.id, true).await?;
+            }
+        }
+        for id in dir_names(&self.state_dir.join("pods")) {
+            if pods.contains_key(&id) {
+                continue;
+            }
+            tracing::warn!(pod = %id, "releasing a pod sandbox whose start did not finish");
+            let dir = self.pod_dir(&id);
+            let monitor = MonitorClient::new(dir.join("monitor.sock"));
+            if monitor.info().await.is_ok() {
+                monitor.shutdown().await;
+            }
+            kill_pod_processes(&id);
+            hako_runtime::monitor::unpin_namespaces(&dir);
+            let _ = std::fs::remove_dir_all(&dir);
+            remove_cgroup(&format!("/hako/{id}"));
+        }
+        for id in dir_names(&self.state_dir.join("containers"))
+            .into_iter()
+            .chain(dir_names(&self.root_dir.join("containers")))
+        {
+            if containers.contains(&id) {
+                continue;
+            }
+            tracing::warn!(container = %id, "removing the files of a container whose create did not finish");
+            let bundle = self.bundle_dir(&id);
+            rootfs::unmount(&bundle.join("rootfs"))?;
+            for d in [bundle, self.layer_dir(&id)] {
+                if let Err(e) = std::fs::remove_dir_all(&d) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        return Err(Error::io("remove", &d, e));
+                    }
+                }
+            }
+        }
+        for (name, holder) in self.store.reservations()? {
+            if !pods.contains_key(&holder) && !containers.contains(&holder) {
+                tracing::warn!(
+                    name,
+                    holder,
+                    "releasing a name reserved by an unfinished create"
+                );
+                self.store.release(&name)?;
+            }
+        }
+        for owner in self.store.pin_owners()? {
+            if !containers.contains(&owner) {
+                self.store.unpin(&owner)?;
+            }
+        }
         Ok(())
     }
 
@@ -1437,6 +1520,37 @@ pub fn parse_signal(s: &str) -> Option<i32> {
 }
 
 /// Whether `pid` is still a hako pod monitor (not a reused pid).
+/// SIGKILLs the processes whose command line names the pod: its monitor and its infra
+/// process (which carries the monitor's command line).
+fn kill_pod_processes(pod_id: &str) {
+    let needle = format!("\"pod_id\":\"{pod_id}\"");
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if std::fs::read(e.path().join("cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+        {
+            tracing::warn!(pod = %pod_id, pid, "killing a process of the pod left without its monitor");
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// The names of the directories in `dir` (none when it does not exist).
+fn dir_names(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
 fn monitor_alive(pid: u32) -> bool {
     std::fs::read(format!("/proc/{pid}/cmdline"))
         .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"monitor"))
