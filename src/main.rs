@@ -65,6 +65,10 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Command::Monitor { options } => {
+            // A session of its own: what is sent to the daemon's terminal or process group is
+            // not the pod's business.
+            let _ = nix::unistd::setsid();
+            let ready = hako_runtime::monitor::take_ready_pipe();
             init_logging(None);
             let opts: hako_runtime::monitor::Options = match serde_json::from_str(&options) {
                 Ok(o) => o,
@@ -73,7 +77,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            match hako_runtime::monitor::run(opts, hako_runtime::monitor::ready_fd()) {
+            match hako_runtime::monitor::run(opts, ready) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("hako monitor: {e}");

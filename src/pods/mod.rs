@@ -370,15 +370,12 @@ impl Runtime {
             sysctls: net_sysctls.chain(ipc_sysctls).collect(),
         };
         let t_prepared = t0.elapsed();
-        let pid = monitor_client::spawn(&opts)
+        let (pid, namespaces) = monitor_client::spawn(&opts)
             .await
             .map_err(|e| e.context(format!("start pod {}", spec.name)))?;
         let t_spawned = t0.elapsed();
         let client = MonitorClient::new(dir.join("monitor.sock"));
         let recorded = async {
-            let info = client.info().await?;
-            let t_info = t0.elapsed();
-            let namespaces: BTreeMap<String, String> = info.namespaces.into_iter().collect();
             let ips = match namespaces.get("network") {
                 Some(netns) => {
                     let att = self.network.attachment(&id, Path::new(netns), &spec);
@@ -409,8 +406,7 @@ impl Runtime {
                 pod = %id,
                 prepare_ms = ms(t_prepared),
                 monitor_ms = ms(t_spawned - t_prepared),
-                connect_ms = ms(t_info - t_spawned),
-                network_ms = ms(t_network - t_info),
+                network_ms = ms(t_network - t_spawned),
                 record_ms = ms(t0.elapsed() - t_network),
                 "run timings"
             );
@@ -428,8 +424,10 @@ impl Runtime {
         self.monitors
             .lock()
             .expect("monitors poisoned")
-            .insert(id.clone(), client);
+            .insert(id.clone(), client.clone());
         undo.commit();
+        // CreateContainer follows: its connection is made meanwhile.
+        tokio::spawn(async move { client.connect().await });
         tracing::info!(pod = %id, name = %record.spec.name, namespace = %record.spec.namespace, "pod sandbox ready");
         Ok(id)
     }

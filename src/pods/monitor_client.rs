@@ -1,19 +1,20 @@
 //! Starting pod monitors and talking to them.
 
-use std::os::fd::AsRawFd;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use hako_proto::monitor as pb;
 use hako_proto::monitor::monitor_client::MonitorClient as Grpc;
-use hako_runtime::monitor::{Options, READY_FD};
+use hako_runtime::monitor::Options;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::error::{Error, Result};
 
-/// Starts `hako monitor` for a pod, detached in its own session, and waits for it to report
-/// ready (or the error that stopped it). Returns its pid.
-pub async fn spawn(opts: &Options) -> Result<u32> {
+/// Starts `hako monitor` for a pod and waits for it to report ready (or the error that
+/// stopped it). Returns its pid and the paths of the namespaces it pinned. The monitor makes
+/// itself a session of its own.
+pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
     // Executed through /proc/self/exe: the daemon's own image even when a package upgrade
     // has replaced the file (its path then no longer names it), so daemon and monitor always
     // speak the same protocol. argv[0] keeps the path for ps and for the orphan search.
@@ -26,32 +27,23 @@ pub async fn spawn(opts: &Options) -> Result<u32> {
     let log = std::fs::File::create(&log_path).map_err(|e| Error::io("create", &log_path, e))?;
     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| Error::Internal(format!("pipe: {e}")))?;
-    let wfd = w.as_raw_fd();
+    // The readiness pipe goes in as stdout (see `take_ready_pipe`): with no pre-exec hook the
+    // standard library spawns through posix_spawn (vfork), not a fork copying this process's
+    // page tables.
     let mut cmd = tokio::process::Command::new("/proc/self/exe");
     cmd.arg0(name)
         .arg("monitor")
         .arg("--options")
         .arg(json)
         .stdin(std::process::Stdio::null())
-        .stdout(
-            log.try_clone()
-                .map_err(|e| Error::io("dup", &log_path, e))?,
-        )
+        .stdout(std::process::Stdio::from(w))
         .stderr(log)
         .kill_on_drop(false);
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setsid() < 0 || libc::dup2(wfd, READY_FD) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
     let child = cmd
         .spawn()
         .map_err(|e| Error::Internal(format!("start pod monitor: {e}")))?;
-    drop(w);
+    // The parent's copy of the write end went with `cmd`.
+    drop(cmd);
     let pid = child.id().unwrap_or(0);
     // tokio reaps the monitor if it exits while this daemon lives; otherwise it outlives us.
     drop(child);
@@ -76,9 +68,14 @@ pub async fn spawn(opts: &Options) -> Result<u32> {
             ));
         }
     };
-    match text.trim() {
-        "ok" => Ok(pid),
-        other => {
+    match text.trim().strip_prefix("ok ") {
+        Some(ns) => {
+            let ns = serde_json::from_str(ns)
+                .map_err(|e| Error::Internal(format!("pod monitor report {ns:?}: {e}")))?;
+            Ok((pid, ns))
+        }
+        None => {
+            let other = text.trim();
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
             let msg = other.strip_prefix("error: ").unwrap_or(other);
             Err(Error::FailedPrecondition(format!(
@@ -154,6 +151,11 @@ impl MonitorClient {
             })
             .await?;
         Ok(Grpc::new(ch.clone()))
+    }
+
+    /// Connects now rather than at the first call; a failure is left for that call to meet.
+    pub async fn connect(&self) {
+        let _ = self.client().await;
     }
 
     pub async fn info(&self) -> Result<pb::InfoResponse> {

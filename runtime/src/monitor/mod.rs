@@ -255,13 +255,20 @@ pub fn short_socket_path(socket: &Path) -> std::io::Result<(std::fs::File, PathB
     Ok((dir, short))
 }
 
-/// The fd number the daemon passes the readiness pipe on.
+/// Where the monitor keeps the readiness pipe (close-on-exec) while it starts.
 pub const READY_FD: i32 = 3;
 
-/// Takes ownership of the readiness pipe the daemon passed, if there is one.
-pub fn ready_fd() -> Option<OwnedFd> {
-    // SAFETY: fd 3 is ours only when the daemon set it up; fcntl tells whether it is open.
-    let open = unsafe { libc::fcntl(READY_FD, libc::F_GETFD) } != -1;
-    // SAFETY: the fd is open and nothing else in this process owns it.
-    open.then(|| unsafe { OwnedFd::from_raw_fd(READY_FD) })
+/// Takes the readiness pipe, which the daemon passes as stdout (so it can spawn the monitor
+/// without a pre-exec hook, which would make it fork instead of posix_spawn): the pipe moves to
+/// [`READY_FD`] and stdout joins stderr in the monitor's log. The report is one line: `ok
+/// <namespace paths as JSON>`, or `error: <cause>`.
+pub fn take_ready_pipe() -> Option<OwnedFd> {
+    // SAFETY: fds 1 to 3 belong to this process and nothing else in it uses them yet.
+    unsafe {
+        if libc::dup3(1, READY_FD, libc::O_CLOEXEC) < 0 {
+            return None;
+        }
+        libc::dup2(2, 1);
+        Some(OwnedFd::from_raw_fd(READY_FD))
+    }
 }

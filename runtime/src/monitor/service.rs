@@ -773,7 +773,9 @@ pub(crate) async fn serve(
         }
     });
     if let Some(mut r) = ready {
-        let _ = writeln!(r, "ok");
+        let ns =
+            serde_json::to_string(&state.lock().expect("state").ns_paths).expect("paths serialize");
+        let _ = writeln!(r, "ok {ns}");
     }
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
     let stop = async move {
