@@ -8,33 +8,65 @@
 //! for one more grace period after the last writer. So a no-op migration (the daemon into
 //! the cgroup it is already in) started in parallel when a CreateContainer or ExecSync
 //! arrives pays that grace period while the spec is written and libcontainer prepares, and
-//! the container's own migration then finds the lock ready.
+//! repeated every 2 ms for as long as such a call is under way (a [`Hold`] is alive) it keeps
+//! the lock in writer mode, so the container's own migration finds it ready whenever it
+//! comes.
 //!
-//! Costs: a blocking thread for one grace period, and for a grace period or two forks and
+//! Costs: one thread while calls are under way, a no-op write every 2 ms; meanwhile forks and
 //! exits on the node take the lock's slower reader path, as they do whenever anything
 //! migrates between cgroups. Best effort: a failed write (even a refused one took the lock)
 //! is ignored.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
-static IN_FLIGHT: AtomicBool = AtomicBool::new(false);
+static HOLDS: AtomicUsize = AtomicUsize::new(0);
+static RUNNING: AtomicBool = AtomicBool::new(false);
 
-/// Starts the no-op migration on a thread of its own unless one is already under way.
-pub fn warm() {
-    if IN_FLIGHT.swap(true, Ordering::AcqRel) {
-        return;
+/// Keeps the lock warm while alive.
+pub struct Hold(());
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        HOLDS.fetch_sub(1, Ordering::AcqRel);
     }
-    let spawned = std::thread::Builder::new()
-        .name("cgroup-warm".into())
-        .spawn(|| {
-            if let Some(procs) = own_procs_file() {
-                let _ = std::fs::write(procs, std::process::id().to_string());
+}
+
+/// Starts warming (unless already under way) and keeps it up until the returned hold, and
+/// every other, is dropped; a call that never ends stops it after 10 s.
+pub fn hold() -> Hold {
+    HOLDS.fetch_add(1, Ordering::AcqRel);
+    if !RUNNING.swap(true, Ordering::AcqRel) {
+        let spawned = std::thread::Builder::new()
+            .name("cgroup-warm".into())
+            .spawn(warm_while_held);
+        if spawned.is_err() {
+            RUNNING.store(false, Ordering::Release);
+        }
+    }
+    Hold(())
+}
+
+fn warm_while_held() {
+    let started = Instant::now();
+    loop {
+        if let Some(procs) = own_procs_file() {
+            let _ = std::fs::write(procs, std::process::id().to_string());
+        }
+        if started.elapsed() > Duration::from_secs(10) {
+            RUNNING.store(false, Ordering::Release);
+            return;
+        }
+        if HOLDS.load(Ordering::Acquire) == 0 {
+            RUNNING.store(false, Ordering::Release);
+            // A hold taken between the check and the store found RUNNING set and left the
+            // warming to this thread: take it back unless another thread did.
+            if HOLDS.load(Ordering::Acquire) == 0 || RUNNING.swap(true, Ordering::AcqRel) {
+                return;
             }
-            IN_FLIGHT.store(false, Ordering::Release);
-        });
-    if spawned.is_err() {
-        IN_FLIGHT.store(false, Ordering::Release);
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

@@ -755,8 +755,8 @@ impl Runtime {
             ));
         }
         let t0 = std::time::Instant::now();
-        // libcontainer moves the container into its cgroups ~10 ms from now.
-        hako_runtime::cgroup_warm::warm();
+        // libcontainer moves the container into its cgroups some ms from now.
+        let _warm = hako_runtime::cgroup_warm::hold();
         let key = req.reservation(&pod.id);
         let _guard = self.name_lock(&key).await;
         if let Some(existing) = self.store.reserved(&key)? {
@@ -1414,7 +1414,7 @@ impl Runtime {
             )));
         }
         // The exec process joins the container's cgroups.
-        hako_runtime::cgroup_warm::warm();
+        let _warm = hako_runtime::cgroup_warm::hold();
         let r = self
             .monitor(&pod)
             .exec_sync(&c.id, cmd, timeout.as_millis() as i64)
