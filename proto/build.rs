@@ -1,5 +1,4 @@
 fn main() {
-    tonic_prost_build::configure()
-        .compile_protos(&["monitor.proto"], &["."])
+    prost_build::compile_protos(&["monitor.proto"], &["."])
         .expect("compile monitor.proto (protoc is needed: apt-get install protobuf-compiler)");
 }

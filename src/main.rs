@@ -58,33 +58,19 @@ enum ConfigCommand {
 }
 
 fn main() -> ExitCode {
+    // The daemon's exact form skips clap: its parser is ~200 KiB of code every monitor would
+    // map for one parse. Any other form (`hako monitor --help`) goes through clap.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().take(5).collect();
+    if args.len() == 4 && args[1] == "monitor" && args[2] == "--options" {
+        return monitor(&args[3].to_string_lossy());
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Version => {
             println!("hako {}", env!("CARGO_PKG_VERSION"));
             ExitCode::SUCCESS
         }
-        Command::Monitor { options } => {
-            // A session of its own: what is sent to the daemon's terminal or process group is
-            // not the pod's business.
-            let _ = nix::unistd::setsid();
-            let ready = hako_runtime::monitor::take_ready_pipe();
-            init_logging(None);
-            let opts: hako_runtime::monitor::Options = match serde_json::from_str(&options) {
-                Ok(o) => o,
-                Err(e) => {
-                    eprintln!("hako monitor: bad options: {e}");
-                    return ExitCode::from(2);
-                }
-            };
-            match hako_runtime::monitor::run(opts, ready) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("hako monitor: {e}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
+        Command::Monitor { options } => monitor(&options),
         Command::Config {
             command: ConfigCommand::Default,
         } => {
@@ -129,6 +115,29 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+    }
+}
+
+/// `hako monitor`: one pod's monitor, started by the daemon.
+fn monitor(options: &str) -> ExitCode {
+    // A session of its own: what is sent to the daemon's terminal or process group is not
+    // the pod's business.
+    let _ = nix::unistd::setsid();
+    let ready = hako_runtime::monitor::take_ready_pipe();
+    hako_runtime::monitor::log::init(&std::env::var("HAKO_LOG").unwrap_or_default());
+    let opts: hako_runtime::monitor::Options = match serde_json::from_str(options) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("hako monitor: bad options: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match hako_runtime::monitor::run(opts, ready) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("hako monitor: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -1,7 +1,7 @@
-//! hako's own protocols, generated from `proto/*.proto`.
+//! hako's own protocol messages, generated from `proto/*.proto`.
 
-/// The daemon <-> pod monitor API.
+/// The daemon <-> pod monitor messages (framed by `hako_runtime::monitor::wire`).
 #[allow(clippy::all)]
 pub mod monitor {
-    tonic::include_proto!("hako.monitor.v1");
+    include!(concat!(env!("OUT_DIR"), "/hako.monitor.v1.rs"));
 }

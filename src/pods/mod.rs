@@ -424,10 +424,8 @@ impl Runtime {
         self.monitors
             .lock()
             .expect("monitors poisoned")
-            .insert(id.clone(), client.clone());
+            .insert(id.clone(), client);
         undo.commit();
-        // CreateContainer follows: its connection is made meanwhile.
-        tokio::spawn(async move { client.connect().await });
         tracing::info!(pod = %id, name = %record.spec.name, namespace = %record.spec.namespace, "pod sandbox ready");
         Ok(id)
     }

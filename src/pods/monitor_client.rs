@@ -5,9 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use hako_proto::monitor as pb;
-use hako_proto::monitor::monitor_client::MonitorClient as Grpc;
+use hako_runtime::monitor::wire::{self, code, Method};
 use hako_runtime::monitor::Options;
-use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::error::{Error, Result};
 
@@ -95,77 +94,59 @@ pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
     }
 }
 
+/// Calls a pod's monitor: one unix-socket connection per call (see `wire`).
 #[derive(Clone)]
 pub struct MonitorClient {
     socket: PathBuf,
-    channel: std::sync::Arc<tokio::sync::OnceCell<Channel>>,
 }
 
-fn rpc_err(what: &str, s: tonic::Status) -> Error {
-    let msg = format!("{what}: {}", s.message());
-    match s.code() {
-        tonic::Code::NotFound => Error::NotFound(msg),
-        tonic::Code::InvalidArgument => Error::InvalidArgument(msg),
-        tonic::Code::AlreadyExists => Error::AlreadyExists(msg),
-        tonic::Code::FailedPrecondition => Error::FailedPrecondition(msg),
-        tonic::Code::Unimplemented => Error::Unimplemented(msg),
-        tonic::Code::Unavailable => Error::Unavailable(msg),
+fn status_err(what: &str, status: u8, message: &[u8]) -> Error {
+    let msg = format!("{what}: {}", String::from_utf8_lossy(message));
+    match status {
+        code::NOT_FOUND => Error::NotFound(msg),
+        code::INVALID_ARGUMENT => Error::InvalidArgument(msg),
+        code::ALREADY_EXISTS => Error::AlreadyExists(msg),
+        code::FAILED_PRECONDITION => Error::FailedPrecondition(msg),
+        code::UNIMPLEMENTED => Error::Unimplemented(msg),
+        code::UNAVAILABLE => Error::Unavailable(msg),
         _ => Error::Internal(msg),
     }
 }
 
 impl MonitorClient {
     pub fn new(socket: PathBuf) -> MonitorClient {
-        MonitorClient {
-            socket,
-            channel: Default::default(),
+        MonitorClient { socket }
+    }
+
+    async fn call<Q: prost::Message, R: prost::Message + Default>(
+        &self,
+        method: Method,
+        req: &Q,
+        what: &str,
+    ) -> Result<R> {
+        let unavailable = |e: std::io::Error| {
+            Error::Unavailable(format!("pod monitor at {}: {e}", self.socket.display()))
+        };
+        // Deep state dirs make the full path too long for sun_path.
+        let (_dir, short) =
+            hako_runtime::monitor::short_socket_path(&self.socket).map_err(unavailable)?;
+        let mut conn = tokio::net::UnixStream::connect(short)
+            .await
+            .map_err(unavailable)?;
+        wire::write_frame(&mut conn, method as u8, &req.encode_to_vec())
+            .await
+            .map_err(unavailable)?;
+        let (status, body) = wire::read_frame(&mut conn).await.map_err(unavailable)?;
+        if status != code::OK {
+            return Err(status_err(what, status, &body));
         }
-    }
-
-    async fn client(&self) -> Result<Grpc<Channel>> {
-        let socket = self.socket.clone();
-        let ch = self
-            .channel
-            .get_or_try_init(|| async move {
-                let path = socket.clone();
-                Endpoint::try_from("http://[::]:50051")
-                    .expect("static uri")
-                    .connect_with_connector(tower::service_fn(move |_: Uri| {
-                        let path = path.clone();
-                        async move {
-                            // Deep state dirs make the full path too long for sun_path.
-                            let (_dir, short) = hako_runtime::monitor::short_socket_path(&path)?;
-                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                                tokio::net::UnixStream::connect(short).await?,
-                            ))
-                        }
-                    }))
-                    .await
-                    .map_err(|e| {
-                        Error::Unavailable(format!(
-                            "pod monitor at {}: {}",
-                            socket.display(),
-                            crate::error::chain(&e)
-                        ))
-                    })
-            })
-            .await?;
-        Ok(Grpc::new(ch.clone()))
-    }
-
-    /// Connects now rather than at the first call; a failure is left for that call to meet.
-    pub async fn connect(&self) {
-        let _ = self.client().await;
+        R::decode(body.as_slice())
+            .map_err(|e| Error::Internal(format!("{what}: bad answer from the pod monitor: {e}")))
     }
 
     pub async fn info(&self) -> Result<pb::InfoResponse> {
-        Ok(self
-            .client()
-            .await?
-            .info(pb::InfoRequest {})
+        self.call(Method::Info, &pb::InfoRequest {}, "pod monitor info")
             .await
-            .map_err(|s| rpc_err("pod monitor info", s))?
-            .into_inner())
     }
 
     pub async fn create(
@@ -185,71 +166,53 @@ impl MonitorClient {
             stdin_once,
             tty,
         };
-        Ok(self
-            .client()
-            .await?
-            .create_container(req)
-            .await
-            .map_err(|s| rpc_err("monitor", s))?
-            .into_inner()
-            .pid)
+        let r: pb::CreateContainerResponse =
+            self.call(Method::CreateContainer, &req, "monitor").await?;
+        Ok(r.pid)
     }
 
     pub async fn start(&self, id: &str) -> Result<pb::ContainerState> {
-        Ok(self
-            .client()
-            .await?
-            .start_container(pb::ContainerRef { id: id.into() })
-            .await
-            .map_err(|s| rpc_err("monitor", s))?
-            .into_inner())
+        self.call(
+            Method::StartContainer,
+            &pb::ContainerRef { id: id.into() },
+            "monitor",
+        )
+        .await
     }
 
     pub async fn state(&self, id: &str) -> Result<pb::ContainerState> {
-        Ok(self
-            .client()
-            .await?
-            .state(pb::ContainerRef { id: id.into() })
-            .await
-            .map_err(|s| rpc_err("monitor", s))?
-            .into_inner())
+        self.call(
+            Method::State,
+            &pb::ContainerRef { id: id.into() },
+            "monitor",
+        )
+        .await
     }
 
     pub async fn signal(&self, id: &str, signal: i32, all: bool) -> Result<()> {
-        self.client()
-            .await?
-            .signal(pb::SignalRequest {
-                id: id.into(),
-                signal,
-                all,
-            })
-            .await
-            .map_err(|s| rpc_err("monitor", s))?;
+        let req = pb::SignalRequest {
+            id: id.into(),
+            signal,
+            all,
+        };
+        let _: pb::Empty = self.call(Method::Signal, &req, "monitor").await?;
         Ok(())
     }
 
     pub async fn wait(&self, id: &str, timeout_ms: i64) -> Result<pb::ContainerState> {
-        Ok(self
-            .client()
-            .await?
-            .wait(pb::WaitRequest {
-                id: id.into(),
-                timeout_ms,
-            })
-            .await
-            .map_err(|s| rpc_err("monitor", s))?
-            .into_inner())
+        let req = pb::WaitRequest {
+            id: id.into(),
+            timeout_ms,
+        };
+        self.call(Method::Wait, &req, "monitor").await
     }
 
     pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
-        self.client()
-            .await?
-            .delete(pb::DeleteRequest {
-                id: id.into(),
-                force,
-            })
-            .await
-            .map_err(|s| rpc_err("monitor", s))?;
+        let req = pb::DeleteRequest {
+            id: id.into(),
+            force,
+        };
+        let _: pb::Empty = self.call(Method::Delete, &req, "monitor").await?;
         Ok(())
     }
 
@@ -259,33 +222,30 @@ impl MonitorClient {
         cmd: Vec<String>,
         timeout_ms: i64,
     ) -> Result<pb::ExecSyncResponse> {
-        Ok(self
-            .client()
-            .await?
-            .exec_sync(pb::ExecSyncRequest {
-                id: id.into(),
-                cmd,
-                timeout_ms,
-            })
-            .await
-            .map_err(|s| rpc_err("monitor", s))?
-            .into_inner())
+        let req = pb::ExecSyncRequest {
+            id: id.into(),
+            cmd,
+            timeout_ms,
+        };
+        self.call(Method::ExecSync, &req, "monitor").await
     }
 
     pub async fn reopen_log(&self, id: &str) -> Result<()> {
-        self.client()
-            .await?
-            .reopen_log(pb::ContainerRef { id: id.into() })
-            .await
-            .map_err(|s| rpc_err("monitor", s))?;
+        let _: pb::Empty = self
+            .call(
+                Method::ReopenLog,
+                &pb::ContainerRef { id: id.into() },
+                "monitor",
+            )
+            .await?;
         Ok(())
     }
 
     /// Asks the monitor to tear the pod down and waits until its socket is gone.
     pub async fn shutdown(&self) {
-        if let Ok(mut c) = self.client().await {
-            let _ = c.shutdown(pb::Empty {}).await;
-        }
+        let _ = self
+            .call::<_, pb::Empty>(Method::Shutdown, &pb::Empty {}, "monitor")
+            .await;
         // The monitor removes its socket last, once the pod's processes are gone and its
         // namespaces released: usually within a few ms, so poll finely at first.
         let deadline = std::time::Instant::now() + Duration::from_secs(5);

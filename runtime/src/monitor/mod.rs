@@ -13,7 +13,9 @@
 //! `start`) → `Exited` (reaped here, exit recorded). `Delete` removes an exited or created one.
 
 mod infra;
+pub mod log;
 mod service;
+pub mod wire;
 
 use std::collections::HashMap;
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -218,8 +220,10 @@ pub fn run(opts: Options, ready: Option<OwnedFd>) -> Result<(), String> {
             return Err(e);
         }
     };
+    // A pod's handful of fds needs no 1024-event buffer per poll.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
+        .max_io_events_per_tick(64)
         .build()
         .map_err(|e| format!("runtime: {e}"))?;
     rt.block_on(service::serve(state, shutdown_rx, ready))

@@ -6,15 +6,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hako_proto::monitor as pb;
-use hako_proto::monitor::monitor_server::{Monitor, MonitorServer};
 use libcontainer::container::builder::ContainerBuilder;
 use libcontainer::container::Container;
 use libcontainer::syscall::syscall::SyscallType;
 use nix::sys::signal::Signal;
 use nix::sys::wait::WaitStatus;
 use tokio::io::AsyncReadExt;
-use tonic::{Request, Response, Status};
 
+use prost::Message as _;
+
+use super::wire::{self, Method, Status};
 use super::{infra, now_nanos, reap, Ctr, Phase, Shared};
 use crate::logs::{LogWriter, Stream};
 
@@ -22,6 +23,7 @@ use crate::logs::{LogWriter, Stream};
 /// start of the output, and a runaway command must not grow the monitor).
 pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
 
+#[derive(Clone)]
 struct Svc {
     state: Shared,
 }
@@ -219,13 +221,15 @@ impl ConsoleSocket {
     }
 }
 
-/// Runs a libcontainer create or exec in a forked helper and returns the new process's pid.
+/// Runs a libcontainer create, start or exec in a forked helper and returns the new process's
+/// pid (0 for a start).
 ///
 /// libcontainer writes the spec's `oom_score_adj` to its *caller* and marks the caller
 /// non-dumpable; done in the monitor itself, one container's score would stick to the monitor
 /// and every later container (it cannot be lowered again without CAP_SYS_RESOURCE). The helper
 /// takes those changes and exits; the new process, its child, is reparented to the monitor,
-/// which is the pod's child subreaper. The monitor is single-threaded, so forking is safe.
+/// which is the pod's child subreaper. The monitor is single-threaded, so forking is safe. And
+/// what libcontainer allocates and runs stays out of the long-lived monitor.
 fn in_helper(
     state: &Shared,
     f: impl FnOnce() -> Result<nix::unistd::Pid, Status>,
@@ -238,7 +242,7 @@ fn in_helper(
             drop(r);
             let msg = match f() {
                 Ok(pid) => format!("P{}\n", pid.as_raw()),
-                Err(s) => format!("E{}:{}\n", s.code() as i32, s.message().replace('\n', " ")),
+                Err(s) => format!("E{}:{}\n", s.code(), s.message().replace('\n', " ")),
             };
             let mut w = std::fs::File::from(w);
             let _ = w.write_all(msg.as_bytes());
@@ -275,7 +279,7 @@ fn in_helper(
                 .and_then(|m| m.split_once(':'))
                 .unwrap_or(("13", "helper died"));
             Err(Status::new(
-                tonic::Code::from(code.parse::<i32>().unwrap_or(13)),
+                code.parse::<u8>().unwrap_or(wire::code::INTERNAL),
                 text.to_string(),
             ))
         }
@@ -356,14 +360,10 @@ impl Svc {
     }
 }
 
-#[tonic::async_trait]
-impl Monitor for Svc {
-    async fn info(
-        &self,
-        _: Request<pb::InfoRequest>,
-    ) -> Result<Response<pb::InfoResponse>, Status> {
+impl Svc {
+    async fn info(&self, _: pb::InfoRequest) -> Result<pb::InfoResponse, Status> {
         let st = self.state.lock().expect("state");
-        Ok(Response::new(pb::InfoResponse {
+        Ok(pb::InfoResponse {
             pid: std::process::id(),
             pod_id: st.opts.pod_id.clone(),
             namespaces: st.ns_paths.clone(),
@@ -372,14 +372,13 @@ impl Monitor for Svc {
                 .iter()
                 .map(|(id, c)| proto_state(id, c))
                 .collect(),
-        }))
+        })
     }
 
     async fn create_container(
         &self,
-        req: Request<pb::CreateContainerRequest>,
-    ) -> Result<Response<pb::CreateContainerResponse>, Status> {
-        let req = req.into_inner();
+        req: pb::CreateContainerRequest,
+    ) -> Result<pb::CreateContainerResponse, Status> {
         if self
             .state
             .lock()
@@ -455,16 +454,13 @@ impl Monitor for Svc {
             },
         );
         tracing::info!(container = %req.id, pid = pid.as_raw(), "container created");
-        Ok(Response::new(pb::CreateContainerResponse {
+        Ok(pb::CreateContainerResponse {
             pid: pid.as_raw() as u32,
-        }))
+        })
     }
 
-    async fn start_container(
-        &self,
-        req: Request<pb::ContainerRef>,
-    ) -> Result<Response<pb::ContainerState>, Status> {
-        let id = req.into_inner().id;
+    async fn start_container(&self, req: pb::ContainerRef) -> Result<pb::ContainerState, Status> {
+        let id = req.id;
         {
             let st = self.state.lock().expect("state");
             let c = st.containers.get(&id).ok_or_else(|| {
@@ -476,9 +472,17 @@ impl Monitor for Svc {
                 )));
             }
         }
-        self.load(&id)?
-            .start()
-            .map_err(|e| lc_err(format!("start container {id}"), e))?;
+        // In a helper too: libcontainer's start (state file, notify socket, poststart hooks)
+        // would otherwise leave its code and heap mapped in every idle monitor.
+        let root = self.youki_root();
+        let cid = id.clone();
+        in_helper(&self.state, move || {
+            let mut c = Container::load(root.join(&cid))
+                .map_err(|e| lc_err(format!("load container {cid}"), e))?;
+            c.start()
+                .map_err(|e| lc_err(format!("start container {cid}"), e))?;
+            Ok(nix::unistd::Pid::from_raw(0))
+        })?;
         {
             let mut st = self.state.lock().expect("state");
             if let Some(c) = st.containers.get_mut(&id) {
@@ -488,11 +492,10 @@ impl Monitor for Svc {
                 }
             }
         }
-        Ok(Response::new(self.state_of(&id)?))
+        self.state_of(&id)
     }
 
-    async fn signal(&self, req: Request<pb::SignalRequest>) -> Result<Response<pb::Empty>, Status> {
-        let req = req.into_inner();
+    async fn signal(&self, req: pb::SignalRequest) -> Result<pb::Empty, Status> {
         if !(1..=libc::SIGRTMAX()).contains(&req.signal) {
             return Err(Status::invalid_argument(format!("signal {}", req.signal)));
         }
@@ -505,7 +508,7 @@ impl Monitor for Svc {
         };
         // An exited container's pid is reaped and may be reused: never signal it.
         if phase == Phase::Exited {
-            return Ok(Response::new(pb::Empty {}));
+            return Ok(pb::Empty {});
         }
         if req.all {
             let sig = Signal::try_from(req.signal).map_err(|_| {
@@ -524,21 +527,14 @@ impl Monitor for Svc {
                 }
             }
         }
-        Ok(Response::new(pb::Empty {}))
+        Ok(pb::Empty {})
     }
 
-    async fn state(
-        &self,
-        req: Request<pb::ContainerRef>,
-    ) -> Result<Response<pb::ContainerState>, Status> {
-        Ok(Response::new(self.state_of(&req.into_inner().id)?))
+    async fn state(&self, req: pb::ContainerRef) -> Result<pb::ContainerState, Status> {
+        self.state_of(&req.id)
     }
 
-    async fn wait(
-        &self,
-        req: Request<pb::WaitRequest>,
-    ) -> Result<Response<pb::ContainerState>, Status> {
-        let req = req.into_inner();
+    async fn wait(&self, req: pb::WaitRequest) -> Result<pb::ContainerState, Status> {
         let rx = {
             let mut st = self.state.lock().expect("state");
             let c = st.containers.get_mut(&req.id).ok_or_else(|| {
@@ -560,16 +556,15 @@ impl Monitor for Svc {
                 let _ = rx.await;
             }
         }
-        Ok(Response::new(self.state_of(&req.id)?))
+        self.state_of(&req.id)
     }
 
-    async fn delete(&self, req: Request<pb::DeleteRequest>) -> Result<Response<pb::Empty>, Status> {
-        let req = req.into_inner();
+    async fn delete(&self, req: pb::DeleteRequest) -> Result<pb::Empty, Status> {
         let phase = {
             let st = self.state.lock().expect("state");
             match st.containers.get(&req.id) {
                 Some(c) => c.phase,
-                None => return Ok(Response::new(pb::Empty {})),
+                None => return Ok(pb::Empty {}),
             }
         };
         if phase == Phase::Running && !req.force {
@@ -603,14 +598,10 @@ impl Monitor for Svc {
         let dir = st.opts.container_dir(&req.id);
         st.containers.remove(&req.id);
         let _ = std::fs::remove_dir_all(dir);
-        Ok(Response::new(pb::Empty {}))
+        Ok(pb::Empty {})
     }
 
-    async fn exec_sync(
-        &self,
-        req: Request<pb::ExecSyncRequest>,
-    ) -> Result<Response<pb::ExecSyncResponse>, Status> {
-        let req = req.into_inner();
+    async fn exec_sync(&self, req: pb::ExecSyncRequest) -> Result<pb::ExecSyncResponse, Status> {
         let (bundle, cdir, phase) = {
             let st = self.state.lock().expect("state");
             let c = st.containers.get(&req.id).ok_or_else(|| {
@@ -707,19 +698,16 @@ impl Monitor for Svc {
         };
         let stdout = grab(out).await;
         let stderr = grab(errs).await;
-        Ok(Response::new(pb::ExecSyncResponse {
+        Ok(pb::ExecSyncResponse {
             stdout,
             stderr,
             exit_code,
             timed_out,
-        }))
+        })
     }
 
-    async fn reopen_log(
-        &self,
-        req: Request<pb::ContainerRef>,
-    ) -> Result<Response<pb::Empty>, Status> {
-        let id = req.into_inner().id;
+    async fn reopen_log(&self, req: pb::ContainerRef) -> Result<pb::Empty, Status> {
+        let id = req.id;
         let log = {
             let st = self.state.lock().expect("state");
             st.containers
@@ -734,14 +722,59 @@ impl Monitor for Svc {
             .expect("log")
             .reopen()
             .map_err(|e| err(format!("reopen log of {id}"), e))?;
-        Ok(Response::new(pb::Empty {}))
+        Ok(pb::Empty {})
     }
 
-    async fn shutdown(&self, _: Request<pb::Empty>) -> Result<Response<pb::Empty>, Status> {
+    async fn shutdown(&self, _: pb::Empty) -> Result<pb::Empty, Status> {
         if let Some(tx) = self.state.lock().expect("state").shutdown.take() {
             let _ = tx.send(());
         }
-        Ok(Response::new(pb::Empty {}))
+        Ok(pb::Empty {})
+    }
+}
+
+impl Svc {
+    /// Answers the one call a connection carries (see [`wire`]).
+    async fn answer(&self, mut conn: tokio::net::UnixStream) {
+        let (tag, body) = match wire::read_frame(&mut conn).await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(error = %e, "unreadable call on the monitor socket");
+                return;
+            }
+        };
+        let answer = match Method::from_u8(tag) {
+            Some(m) => self.dispatch(m, &body).await,
+            None => Err(Status::new(
+                wire::code::UNIMPLEMENTED,
+                format!("monitor call {tag} is not known to this monitor"),
+            )),
+        };
+        let (code, body) = match answer {
+            Ok(bytes) => (wire::code::OK, bytes),
+            Err(s) => (s.code(), s.message().as_bytes().to_vec()),
+        };
+        // The caller may have gone (its own timeout): nothing to do about it here.
+        let _ = wire::write_frame(&mut conn, code, &body).await;
+    }
+
+    async fn dispatch(&self, m: Method, body: &[u8]) -> Result<Vec<u8>, Status> {
+        fn decode<T: prost::Message + Default>(body: &[u8]) -> Result<T, Status> {
+            T::decode(body).map_err(|e| Status::invalid_argument(format!("bad request: {e}")))
+        }
+        let out = match m {
+            Method::Info => self.info(decode(body)?).await?.encode_to_vec(),
+            Method::CreateContainer => self.create_container(decode(body)?).await?.encode_to_vec(),
+            Method::StartContainer => self.start_container(decode(body)?).await?.encode_to_vec(),
+            Method::Signal => self.signal(decode(body)?).await?.encode_to_vec(),
+            Method::State => self.state(decode(body)?).await?.encode_to_vec(),
+            Method::Wait => self.wait(decode(body)?).await?.encode_to_vec(),
+            Method::Delete => self.delete(decode(body)?).await?.encode_to_vec(),
+            Method::ExecSync => self.exec_sync(decode(body)?).await?.encode_to_vec(),
+            Method::ReopenLog => self.reopen_log(decode(body)?).await?.encode_to_vec(),
+            Method::Shutdown => self.shutdown(decode(body)?).await?.encode_to_vec(),
+        };
+        Ok(out)
     }
 }
 
@@ -777,20 +810,27 @@ pub(crate) async fn serve(
             serde_json::to_string(&state.lock().expect("state").ns_paths).expect("paths serialize");
         let _ = writeln!(r, "ok {ns}");
     }
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-    let stop = async move {
+    let mut stop = std::pin::pin!(async move {
         tokio::select! {
             _ = shutdown => {}
             _ = sigterm.recv() => tracing::info!("SIGTERM: shutting the pod down"),
         }
+    });
+    let svc = Svc {
+        state: state.clone(),
     };
-    tonic::transport::Server::builder()
-        .add_service(MonitorServer::new(Svc {
-            state: state.clone(),
-        }))
-        .serve_with_incoming_shutdown(incoming, stop)
-        .await
-        .map_err(|e| format!("serve: {e}"))?;
+    loop {
+        tokio::select! {
+            conn = listener.accept() => match conn {
+                Ok((conn, _)) => {
+                    let svc = svc.clone();
+                    tokio::spawn(async move { svc.answer(conn).await });
+                }
+                Err(e) => tracing::warn!(error = %e, "accept on the monitor socket"),
+            },
+            _ = &mut stop => break,
+        }
+    }
     teardown(&state).await;
     let _ = std::fs::remove_file(&sock);
     Ok(())

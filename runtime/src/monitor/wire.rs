@@ -1,0 +1,171 @@
+//! The daemon ↔ monitor wire: the messages of `proto/monitor.proto` (prost), framed on the
+//! monitor's unix socket, one call per connection.
+//!
+//! A call: the daemon connects, writes `u32 length (big-endian) | u8 method | message`, and
+//! reads `u32 length | u8 code | body` back, where code 0 carries the response message and any
+//! other code is a gRPC status code with a UTF-8 message as the body. Then both close.
+//!
+//! Not gRPC: an idle monitor keeps no connection, and it runs none of h2, hyper and tonic.
+//! With one monitor per pod that was ~40 % of each monitor's memory (docs/BENCHMARKS.md).
+//! Unix socket connects cost microseconds, so a connection per call costs nothing that
+//! matters, and concurrent calls (a long Wait beside others) need no multiplexing.
+
+use std::fmt;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The largest frame either side accepts: two capped ExecSync outputs and change.
+pub const MAX_FRAME: usize = 2 * super::service::EXEC_OUTPUT_CAP + 64 * 1024;
+
+/// The calls, as numbered on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Method {
+    Info = 1,
+    CreateContainer = 2,
+    StartContainer = 3,
+    Signal = 4,
+    State = 5,
+    Wait = 6,
+    Delete = 7,
+    ExecSync = 8,
+    ReopenLog = 9,
+    Shutdown = 10,
+}
+
+impl Method {
+    pub fn from_u8(b: u8) -> Option<Method> {
+        use Method::*;
+        [
+            Info,
+            CreateContainer,
+            StartContainer,
+            Signal,
+            State,
+            Wait,
+            Delete,
+            ExecSync,
+            ReopenLog,
+            Shutdown,
+        ]
+        .into_iter()
+        .find(|m| *m as u8 == b)
+    }
+}
+
+/// gRPC status codes the monitor answers with (the daemon maps them as it maps its own).
+pub mod code {
+    pub const OK: u8 = 0;
+    pub const INVALID_ARGUMENT: u8 = 3;
+    pub const NOT_FOUND: u8 = 5;
+    pub const ALREADY_EXISTS: u8 = 6;
+    pub const FAILED_PRECONDITION: u8 = 9;
+    pub const UNIMPLEMENTED: u8 = 12;
+    pub const INTERNAL: u8 = 13;
+    pub const UNAVAILABLE: u8 = 14;
+}
+
+/// A failed call: a gRPC status code and what failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    code: u8,
+    message: String,
+}
+
+impl Status {
+    pub fn new(code: u8, message: impl Into<String>) -> Status {
+        Status {
+            code,
+            message: message.into(),
+        }
+    }
+    pub fn internal(m: impl Into<String>) -> Status {
+        Status::new(code::INTERNAL, m)
+    }
+    pub fn not_found(m: impl Into<String>) -> Status {
+        Status::new(code::NOT_FOUND, m)
+    }
+    pub fn invalid_argument(m: impl Into<String>) -> Status {
+        Status::new(code::INVALID_ARGUMENT, m)
+    }
+    pub fn already_exists(m: impl Into<String>) -> Status {
+        Status::new(code::ALREADY_EXISTS, m)
+    }
+    pub fn failed_precondition(m: impl Into<String>) -> Status {
+        Status::new(code::FAILED_PRECONDITION, m)
+    }
+    pub fn code(&self) -> u8 {
+        self.code
+    }
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (code {})", self.message, self.code)
+    }
+}
+
+/// Writes one frame: length, tag, body.
+pub async fn write_frame<W: AsyncWriteExt + Unpin>(
+    w: &mut W,
+    tag: u8,
+    body: &[u8],
+) -> std::io::Result<()> {
+    let mut frame = Vec::with_capacity(5 + body.len());
+    frame.extend_from_slice(&(body.len() as u32 + 1).to_be_bytes());
+    frame.push(tag);
+    frame.extend_from_slice(body);
+    w.write_all(&frame).await?;
+    w.flush().await
+}
+
+/// Reads one frame: its tag and body.
+pub async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R) -> std::io::Result<(u8, Vec<u8>)> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).await?;
+    let len = u32::from_be_bytes(len) as usize;
+    if len == 0 || len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes"),
+        ));
+    }
+    let mut buf = vec![0u8; len];
+    r.read_exact(&mut buf).await?;
+    let tag = buf.remove(0);
+    Ok((tag, buf))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip_and_bad_lengths_are_refused() {
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        write_frame(&mut a, Method::Wait as u8, b"hello")
+            .await
+            .unwrap();
+        write_frame(&mut a, code::OK, b"").await.unwrap();
+        assert_eq!(read_frame(&mut b).await.unwrap(), (6, b"hello".to_vec()));
+        assert_eq!(read_frame(&mut b).await.unwrap(), (0, Vec::new()));
+        a.write_all(&0u32.to_be_bytes()).await.unwrap();
+        assert!(read_frame(&mut b).await.is_err());
+        let (mut a, mut b) = tokio::io::duplex(1024);
+        a.write_all(&(MAX_FRAME as u32 + 1).to_be_bytes())
+            .await
+            .unwrap();
+        assert!(read_frame(&mut b).await.is_err());
+    }
+
+    #[test]
+    fn methods_decode_from_their_numbers_only() {
+        assert_eq!(Method::from_u8(8), Some(Method::ExecSync));
+        assert_eq!(Method::from_u8(10), Some(Method::Shutdown));
+        assert_eq!(Method::from_u8(0), None);
+        assert_eq!(Method::from_u8(11), None);
+    }
+}
