@@ -943,3 +943,61 @@ async fn container_pid(rt: &mut Rt, id: &str) -> i32 {
     let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
     v["pid"].as_i64().expect("verbose info has the pid") as i32
 }
+
+/// The monitor's socket answers what it does not know with an error and keeps serving:
+/// an unknown call, a message that does not decode, an oversized frame.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_monitor_answers_bad_calls_with_errors_and_keeps_serving() {
+    use hako_runtime::monitor::wire::{self, code, Method};
+    use tokio::io::AsyncWriteExt;
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("wire", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let socket = h
+        .dir
+        .path()
+        .join("state/pods")
+        .join(&pod)
+        .join("monitor.sock");
+    let (_dir, short) = hako_runtime::monitor::short_socket_path(&socket).unwrap();
+    let call = |tag: u8, body: Vec<u8>| {
+        let short = short.clone();
+        async move {
+            let mut c = tokio::net::UnixStream::connect(&short).await.unwrap();
+            wire::write_frame(&mut c, tag, &body).await.unwrap();
+            wire::read_frame(&mut c).await
+        }
+    };
+    let (status, msg) = call(99, Vec::new()).await.unwrap();
+    assert_eq!(status, code::UNIMPLEMENTED);
+    assert!(String::from_utf8_lossy(&msg).contains("call 99"), "{msg:?}");
+    let (status, msg) = call(Method::CreateContainer as u8, vec![0xff; 7])
+        .await
+        .unwrap();
+    assert_eq!(status, code::INVALID_ARGUMENT);
+    assert!(
+        String::from_utf8_lossy(&msg).contains("bad request"),
+        "{msg:?}"
+    );
+    let mut c = tokio::net::UnixStream::connect(&short).await.unwrap();
+    c.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+    assert!(
+        wire::read_frame(&mut c).await.is_err(),
+        "an oversized frame is dropped, not read"
+    );
+    // Still serving: a container runs in the pod.
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("after", &["sleep", "60"]),
+    )
+    .await;
+    assert_eq!(exec(&mut rt, &id, "echo fine").await, "fine");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
