@@ -215,7 +215,7 @@ pub fn run(opts: Options, ready: Option<OwnedFd>) -> Result<(), String> {
         Ok(x) => x,
         Err(e) => {
             if let Some(r) = ready.as_mut() {
-                let _ = writeln!(r, "error: {e}");
+                let _ = r.write_all(format!("error: {e}\n").as_bytes());
             }
             return Err(e);
         }

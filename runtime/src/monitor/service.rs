@@ -808,7 +808,8 @@ pub(crate) async fn serve(
     if let Some(mut r) = ready {
         let ns =
             serde_json::to_string(&state.lock().expect("state").ns_paths).expect("paths serialize");
-        let _ = writeln!(r, "ok {ns}");
+        // One write: the daemon reads one line, and a line in pieces is a reader's trap.
+        let _ = r.write_all(format!("ok {ns}\n").as_bytes());
     }
     let mut stop = std::pin::pin!(async move {
         tokio::select! {
