@@ -1001,3 +1001,70 @@ async fn a_monitor_answers_bad_calls_with_errors_and_keeps_serving() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// libcontainer logs from the processes it makes; by the time a container's init fails to
+/// exec its command, that process's stderr is the container's. Those lines belong in the
+/// pod's monitor.log, not in the container's CRI log.
+#[tokio::test(flavor = "multi_thread")]
+async fn runtime_errors_stay_out_of_the_containers_log() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    // An executable whose interpreter does not exist: it passes libcontainer's checks at
+    // create and fails in init's execve at start.
+    let bin = tempfile::tempdir().unwrap();
+    let script = bin.path().join("run");
+    std::fs::write(&script, "#!/no/such/interpreter\n").unwrap();
+    std::fs::set_permissions(
+        &script,
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o755),
+    )
+    .unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("quiet", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut c = container_config("broken", &["/opt/bin/run"]);
+    c.mounts.push(cri::Mount {
+        container_path: "/opt/bin".into(),
+        host_path: bin.path().display().to_string(),
+        readonly: true,
+        ..Default::default()
+    });
+    let id = rt
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(c),
+            sandbox_config: Some(cfg.clone()),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .container_id;
+    // Whether start reports the failure or the container exits at once, it does not run.
+    let _ = rt
+        .start_container(cri::StartContainerRequest {
+            container_id: id.clone(),
+        })
+        .await;
+    wait_exited(&mut rt, &id).await;
+    let monitor_log = std::fs::read_to_string(
+        h.dir
+            .path()
+            .join("state/pods")
+            .join(&pod)
+            .join("monitor.log"),
+    )
+    .unwrap();
+    assert!(
+        monitor_log.contains("/opt/bin/run"),
+        "the failed exec is in monitor.log:\n{monitor_log}"
+    );
+    let container_log = log_lines(&logs.path().join("broken.log"));
+    assert!(
+        container_log.iter().all(|l| !l.contains("libcontainer")),
+        "runtime lines in the container's log: {container_log:?}"
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

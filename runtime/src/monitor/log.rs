@@ -1,9 +1,10 @@
-//! The monitor's log: one line per event on stderr (the pod's `monitor.log`), filtered by
-//! level only. tracing-subscriber's registry and env filter cost each idle monitor ~35 KiB of
+//! The monitor's log: one line per event in the pod's `monitor.log`, filtered by
+//! level and target. tracing-subscriber's registry and env filter cost each idle monitor ~35 KiB of
 //! heap and their code; a monitor logs a handful of lines in its life.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 use tracing::field::{Field, Visit};
 use tracing::level_filters::LevelFilter;
@@ -14,8 +15,23 @@ struct MonitorLog {
     out: fn(&[u8]),
 }
 
-fn stderr(line: &[u8]) {
-    let _ = std::io::stderr().write_all(line);
+/// The monitor's log file, as its own fd (close-on-exec): libcontainer logs from the helper,
+/// intermediate and init processes it forks, and by the time init logs, fd 2 is the
+/// container's stderr. Through this fd their lines reach `monitor.log`, not the container's
+/// CRI log. -1 until `init`.
+static LOG_FD: AtomicI32 = AtomicI32::new(-1);
+
+fn to_log_fd(line: &[u8]) {
+    match LOG_FD.load(Ordering::Relaxed) {
+        fd if fd >= 0 => {
+            // SAFETY: the fd was dup'ed for this purpose in `init` and is never closed here.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            let _ = nix::unistd::write(fd, line);
+        }
+        _ => {
+            let _ = std::io::stderr().write_all(line);
+        }
+    }
 }
 
 /// `HAKO_LOG` directives without spans or fields: `level` and `target=level`, comma
@@ -86,9 +102,13 @@ pub fn init(filter: &str) {
     } else {
         filter
     };
+    // Above the fds the monitor and libcontainer hand around.
+    if let Ok(fd) = nix::fcntl::fcntl(2, nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(100)) {
+        LOG_FD.store(fd, Ordering::Relaxed);
+    }
     let _ = tracing::subscriber::set_global_default(MonitorLog {
         filter: Filter::parse(filter),
-        out: stderr,
+        out: to_log_fd,
     });
 }
 
