@@ -1,6 +1,6 @@
-//! The monitor's log: one line per event in the pod's `monitor.log`, filtered by
-//! level and target. tracing-subscriber's registry and env filter cost each idle monitor ~35 KiB of
-//! heap and their code; a monitor logs a handful of lines in its life.
+//! The monitor's log: one line per event in the pod's `monitor.log`, filtered by level and
+//! target. tracing-subscriber's registry and env filter cost each idle monitor ~35 KiB of heap
+//! and their code; a monitor logs a handful of lines in its life.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
