@@ -12,6 +12,10 @@
 //! the lock in writer mode, so the container's own migration finds it ready whenever it
 //! comes.
 //!
+//! A RunPodSandbox takes a hold too, kept until the pod's first CreateContainer is done (at
+//! most 1 s): kubelet creates the pod's containers right after it, so that create finds the
+//! lock ready instead of paying the rest of a grace period.
+//!
 //! Costs: one thread while calls are under way, a no-op write every 2 ms; meanwhile forks and
 //! exits on the node take the lock's slower reader path, as they do whenever anything
 //! migrates between cgroups. Best effort: a failed write (even a refused one took the lock)

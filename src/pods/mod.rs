@@ -82,6 +82,9 @@ pub struct Runtime {
     oom_floor: Option<i32>,
     /// Last CPU reading per container (time, cumulative ns), for usage rates.
     cpu_samples: std::sync::Mutex<HashMap<String, (i64, u64)>>,
+    /// New pods keep the kernel's cgroup-migration lock warm until their first container is
+    /// created (at most 1 s): kubelet creates containers right after RunPodSandbox.
+    warm_pods: Arc<std::sync::Mutex<HashMap<String, hako_runtime::cgroup_warm::Hold>>>,
     network: Arc<Network>,
     cdi: Arc<hako_runtime::cdi::Registry>,
 }
@@ -158,6 +161,7 @@ impl Runtime {
             name_locks: tokio::sync::Mutex::new(HashMap::new()),
             cap_limit,
             cpu_samples: std::sync::Mutex::new(HashMap::new()),
+            warm_pods: Default::default(),
             network,
             cdi,
         }
@@ -316,6 +320,9 @@ impl Runtime {
             )));
         }
         let t0 = std::time::Instant::now();
+        // Its grace period then passes during this call and the first container's create
+        // finds the lock ready (see cgroup_warm).
+        let warm = hako_runtime::cgroup_warm::hold();
         let key = spec.reservation();
         let _guard = self.name_lock(&key).await;
         if let Some(existing) = self.store.reserved(&key)? {
@@ -426,6 +433,15 @@ impl Runtime {
             .expect("monitors poisoned")
             .insert(id.clone(), client);
         undo.commit();
+        self.warm_pods
+            .lock()
+            .expect("warm pods poisoned")
+            .insert(id.clone(), warm);
+        let (warm_pods, pod) = (self.warm_pods.clone(), id.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            warm_pods.lock().expect("warm pods poisoned").remove(&pod);
+        });
         tracing::info!(pod = %id, name = %record.spec.name, namespace = %record.spec.namespace, "pod sandbox ready");
         Ok(id)
     }
@@ -879,6 +895,10 @@ impl Runtime {
             .await
             .map_err(|e| e.context(format!("create container {} in pod {}", req.name, pod.id)))?;
         let t_created = t0.elapsed();
+        self.warm_pods
+            .lock()
+            .expect("warm pods poisoned")
+            .remove(&pod.id);
         let record = ContainerRecord {
             v: RECORD_VERSION,
             id: id.clone(),
