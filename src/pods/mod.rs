@@ -235,6 +235,20 @@ impl Runtime {
         self.root_dir.join("containers").join(id)
     }
 
+    /// Unmounts a container's rootfs and removes its bundle and writable layer.
+    fn remove_container_files(&self, id: &str) -> Result<()> {
+        let bundle = self.bundle_dir(id);
+        rootfs::unmount(&bundle.join("rootfs"))?;
+        for d in [bundle, self.layer_dir(id)] {
+            if let Err(e) = std::fs::remove_dir_all(&d) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    return Err(Error::io("remove", &d, e));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Reserves `key` for `id`, with its release registered as the first undo step.
     fn reserve(&self, key: &str, id: &str, undo: &mut Undo) -> Result<()> {
         self.store.reserve(key, id)?;
@@ -607,27 +621,13 @@ impl Runtime {
     }
 
     /// At start: pods whose monitor died while the daemon was down are reported as such.
+    ///
+    /// Also releases what a crash in the middle of a RunPodSandbox or CreateContainer made
+    /// before its record was written (a monitor and its namespaces, a container in a live pod,
+    /// an overlay mount, directories, a name reservation, an image pin), so kubelet's retry
+    /// under the same name succeeds instead of finding the name reserved by an object nobody
+    /// can list or remove. Each release is logged.
     pub async fn reconcile(&self) -> Result<()> {
-        for pod in self
-            .pods()?
-            .into_iter()
-            .filter(|p| p.state == PodState::Ready)
-        {
-            if let Err(e) = self.monitor(&pod).info().await {
-                self.check_monitor(&pod, &e)?;
-            }
-        }
-        self.release_orphans().await?;
-        self.network_gc().await;
-        Ok(())
-    }
-
-    /// At start: what a crash in the middle of a RunPodSandbox or CreateContainer made before
-    /// its record was written (a monitor and its namespaces, a container in a live pod, an
-    /// overlay mount, directories, a name reservation, an image pin) is released, so kubelet's
-    /// retry under the same name succeeds instead of finding the name reserved by an object
-    /// nobody can list or remove. Each release is logged.
-    async fn release_orphans(&self) -> Result<()> {
         let pods: HashMap<String, PodRecord> = self
             .pods()?
             .into_iter()
@@ -641,8 +641,12 @@ impl Runtime {
             .collect();
         for pod in pods.values().filter(|p| p.state == PodState::Ready) {
             let monitor = self.monitor(pod);
-            let Ok(info) = monitor.info().await else {
-                continue;
+            let info = match monitor.info().await {
+                Ok(info) => info,
+                Err(e) => {
+                    self.check_monitor(pod, &e)?;
+                    continue;
+                }
             };
             for c in info
                 .containers
@@ -653,6 +657,18 @@ impl Runtime {
                 monitor.delete(&c.id, true).await?;
             }
         }
+        self.release_orphans(&pods, &containers).await?;
+        self.network_gc().await;
+        Ok(())
+    }
+
+    /// The part of `reconcile` that needs no monitor: pod directories, bundles and layers,
+    /// reservations and pins no record owns.
+    async fn release_orphans(
+        &self,
+        pods: &HashMap<String, PodRecord>,
+        containers: &HashSet<String>,
+    ) -> Result<()> {
         for id in dir_names(&self.state_dir.join("pods")) {
             if pods.contains_key(&id) {
                 continue;
@@ -668,23 +684,15 @@ impl Runtime {
             let _ = std::fs::remove_dir_all(&dir);
             remove_cgroup(&format!("/hako/{id}"));
         }
-        for id in dir_names(&self.state_dir.join("containers"))
-            .into_iter()
-            .chain(dir_names(&self.root_dir.join("containers")))
-        {
-            if containers.contains(&id) {
-                continue;
-            }
+        // A container's bundle and layer dirs share its id: each id once.
+        let dirs: std::collections::BTreeSet<String> =
+            dir_names(&self.state_dir.join("containers"))
+                .into_iter()
+                .chain(dir_names(&self.root_dir.join("containers")))
+                .collect();
+        for id in dirs.into_iter().filter(|id| !containers.contains(id)) {
             tracing::warn!(container = %id, "removing the files of a container whose create did not finish");
-            let bundle = self.bundle_dir(&id);
-            rootfs::unmount(&bundle.join("rootfs"))?;
-            for d in [bundle, self.layer_dir(&id)] {
-                if let Err(e) = std::fs::remove_dir_all(&d) {
-                    if e.kind() != std::io::ErrorKind::NotFound {
-                        return Err(Error::io("remove", &d, e));
-                    }
-                }
-            }
+            self.remove_container_files(&id)?;
         }
         for (name, holder) in self.store.reservations()? {
             if !pods.contains_key(&holder) && !containers.contains(&holder) {
@@ -1337,15 +1345,7 @@ impl Runtime {
                 }
             }
         }
-        let bundle = self.bundle_dir(&c.id);
-        rootfs::unmount(&bundle.join("rootfs"))?;
-        for d in [bundle, self.layer_dir(&c.id)] {
-            if let Err(e) = std::fs::remove_dir_all(&d) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    return Err(Error::io("remove", &d, e));
-                }
-            }
-        }
+        self.remove_container_files(&c.id)?;
         self.store.delete(Table::Containers, &c.id)?;
         self.store.release(&c.spec.reservation(&c.pod_id))?;
         self.store.unpin(&c.id)?;
