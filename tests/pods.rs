@@ -632,19 +632,10 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
         ..Default::default()
     });
     let dev_id = run_container(&mut rt, &pod, &cfg, dev).await;
-    let cgroup = std::fs::read_to_string(format!("/proc/{}/cgroup", {
-        let info = rt
-            .container_status(cri::ContainerStatusRequest {
-                container_id: dev_id.clone(),
-                verbose: true,
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .info;
-        let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-        v["pid"].as_i64().unwrap()
-    }))
+    let cgroup = std::fs::read_to_string(format!(
+        "/proc/{}/cgroup",
+        container_pid(&mut rt, &dev_id).await
+    ))
     .unwrap();
     for line in cgroup.lines() {
         let mut f = line.splitn(3, ':');
@@ -928,20 +919,6 @@ async fn what_a_crash_cut_short_is_released_and_its_names_are_free_again() {
     remove_pod(&mut rt, &lost_again).await;
     assert_no_leaks(&h, &keeps);
     assert_no_leaks(&h, &lost_again);
-}
-
-async fn container_pid(rt: &mut Rt, id: &str) -> i32 {
-    let info = rt
-        .container_status(cri::ContainerStatusRequest {
-            container_id: id.into(),
-            verbose: true,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .info;
-    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    v["pid"].as_i64().expect("verbose info has the pid") as i32
 }
 
 /// The monitor's socket answers what it does not know with an error and keeps serving:

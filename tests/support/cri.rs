@@ -246,6 +246,21 @@ pub async fn remove_pod(rt: &mut Rt, pod: &str) {
     .unwrap();
 }
 
+/// The host pid of a container's init, from the verbose ContainerStatus.
+pub async fn container_pid(rt: &mut Rt, id: &str) -> i32 {
+    let info = rt
+        .container_status(cri::ContainerStatusRequest {
+            container_id: id.into(),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    v["pid"].as_i64().expect("verbose info has the pid") as i32
+}
+
 /// SIGKILLs the pod's monitor (its pid from the verbose PodSandboxStatus).
 pub async fn kill_monitor(rt: &mut Rt, pod: &str) {
     let info = rt
