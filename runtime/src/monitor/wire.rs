@@ -10,8 +10,6 @@
 //! Unix socket connects cost microseconds, so a connection per call costs nothing that
 //! matters, and concurrent calls (a long Wait beside others) need no multiplexing.
 
-use std::fmt;
-
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The largest frame either side accepts: two capped ExecSync outputs and change.
@@ -99,12 +97,6 @@ impl Status {
     }
     pub fn message(&self) -> &str {
         &self.message
-    }
-}
-
-impl fmt::Display for Status {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} (code {})", self.message, self.code)
     }
 }
 
