@@ -11,9 +11,76 @@ pub mod standins;
 
 use std::path::PathBuf;
 
-/// Whether missing prerequisites fail the test (CI) rather than skip it.
+/// Whether missing prerequisites fail the test (CI) rather than skip it: `HAKO_E2E_REQUIRED`
+/// read as a boolean (1/true/yes/on or 0/false/no/off/empty); any other value is a mistake.
 pub fn required() -> bool {
-    std::env::var_os("HAKO_E2E_REQUIRED").is_some()
+    match std::env::var("HAKO_E2E_REQUIRED") {
+        Err(_) => false,
+        Ok(v) => parse_bool(&v).unwrap_or_else(|| {
+            panic!("HAKO_E2E_REQUIRED={v:?} is not a boolean (1/true/yes/on or 0/false/no/off)")
+        }),
+    }
+}
+
+pub fn parse_bool(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "" | "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
+/// Where skips are recorded for the run's summary (`scripts/test.sh` prints it): libtest
+/// reports a test that returned early as passed and captures what it printed.
+pub fn skip_log() -> PathBuf {
+    std::env::var_os("HAKO_SKIP_LOG")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/hako-skips.log"))
+}
+
+/// Records that the running test (or a part of it, `what`) was skipped and why: on stderr
+/// and in the skip log. Fails the test instead when prerequisites are required.
+pub fn skip(what: &str, reason: &str) {
+    if required() {
+        panic!("{what}: {reason} (HAKO_E2E_REQUIRED is set, so this is a failure, not a skip)");
+    }
+    record_skip(what, reason);
+}
+
+/// As `skip`, for a part that is skipped on this machine by its nature (a controller the
+/// kernel does not have), never a failure.
+pub fn record_skip(what: &str, reason: &str) {
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("(unnamed thread)")
+        .to_string();
+    let line = format!("SKIPPED {test}: {what}: {reason}");
+    eprintln!("{line}");
+    let path = skip_log();
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    use std::io::Write;
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+    {
+        let _ = writeln!(f, "{line}");
+    }
+}
+
+/// Polls `cond` every 20 ms until it holds; fails the test naming `what` when `timeout` passes
+/// first. Waiting for the event, never for a fixed time.
+pub async fn wait_for(what: &str, timeout: std::time::Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + timeout;
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
 
 /// Returns false (after printing why) when the e2e prerequisites are missing; tests then skip.
@@ -30,11 +97,10 @@ pub fn e2e_ready(needs: &[&str]) -> bool {
     if missing.is_empty() {
         return true;
     }
-    let msg = format!("e2e prerequisites missing: {}", missing.join(", "));
-    if required() {
-        panic!("{msg} (HAKO_E2E_REQUIRED is set)");
-    }
-    eprintln!("skipping: {msg}");
+    skip(
+        "the whole test",
+        &format!("e2e prerequisites missing: {}", missing.join(", ")),
+    );
     false
 }
 
