@@ -21,20 +21,100 @@ fn version_and_default_config() {
     let (code, out, _) = hako(&["version"]);
     assert_eq!(code, 0);
     assert_eq!(out.trim(), format!("hako {}", env!("CARGO_PKG_VERSION")));
-    let (code, out, _) = hako(&["config", "default"]);
-    assert_eq!(code, 0);
-    for key in [
-        "listen = \"/run/hako/hako.sock\"",
-        "root = \"/var/lib/hako\"",
-        "[registry]",
-        "config_path = \"/etc/hako/certs.d\"",
-        "[cni]",
-        "[cdi]",
-        "[streaming]",
-        "[image]",
-    ] {
-        assert!(out.contains(key), "missing {key}:\n{out}");
+}
+
+/// `hako config default` prints every key with the default docs/CONFIGURATION.md gives it, and
+/// nothing the reference does not document. (A key missing from the output would still parse
+/// to its default, so a round trip alone cannot see it.)
+#[test]
+fn config_default_prints_every_documented_key_with_its_documented_default() {
+    let (code, out, err) = hako(&["config", "default"]);
+    assert_eq!(code, 0, "{err}");
+    let printed: toml::Table = toml::from_str(&out).expect("the default config parses");
+    let mut flat = std::collections::BTreeMap::new();
+    flatten("", &toml::Value::Table(printed), &mut flat);
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/CONFIGURATION.md"
+    ))
+    .unwrap();
+    let documented = documented_keys(&doc);
+    assert!(documented.len() >= 10, "doc table not found: {documented:?}");
+    for (key, default) in &documented {
+        match (default.as_str(), flat.get(key)) {
+            ("unset", None) => {}
+            ("unset", Some(v)) => panic!("{key} is documented as unset but printed as {v}"),
+            (_, None) => panic!("{key} is documented but not printed:\n{out}"),
+            (d, Some(v)) => {
+                // Paths and addresses are written bare in the table; lists and numbers as TOML.
+                let want = toml::from_str::<toml::Table>(&format!("x = {d}"))
+                    .map(|t| t["x"].clone())
+                    .unwrap_or_else(|_| toml::Value::String(d.to_string()));
+                assert_eq!(v, &want, "{key}: printed {v}, documented {d}");
+            }
+        }
     }
+    for key in flat.keys() {
+        assert!(
+            documented.iter().any(|(k, _)| k == key),
+            "{key} is printed but not documented in docs/CONFIGURATION.md"
+        );
+    }
+}
+
+fn flatten(
+    prefix: &str,
+    v: &toml::Value,
+    out: &mut std::collections::BTreeMap<String, toml::Value>,
+) {
+    match v {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&key, v, out);
+            }
+        }
+        other => {
+            out.insert(prefix.to_string(), other.clone());
+        }
+    }
+}
+
+/// `(key, default)` from the reference table's rows: `| `key` | `default` | meaning |`.
+fn documented_keys(doc: &str) -> Vec<(String, String)> {
+    doc.lines()
+        .filter_map(|l| {
+            let cells: Vec<&str> = l.split('|').map(str::trim).collect();
+            let key = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
+            let default = cells.get(2)?;
+            let default = default
+                .strip_prefix('`')
+                .and_then(|d| d.strip_suffix('`'))
+                .unwrap_or(default);
+            Some((key.to_string(), default.to_string()))
+        })
+        .collect()
+}
+
+#[test]
+fn e2e_required_is_read_as_a_boolean() {
+    for (v, want) in [
+        ("1", true),
+        ("yes", true),
+        ("TRUE", true),
+        ("on", true),
+        ("0", false),
+        ("", false),
+        ("off", false),
+        ("false", false),
+    ] {
+        assert_eq!(support::parse_bool(v), Some(want), "{v:?}");
+    }
+    assert_eq!(support::parse_bool("maybe"), None);
 }
 
 #[test]

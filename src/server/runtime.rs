@@ -1,5 +1,6 @@
-//! `runtime.v1.RuntimeService`. RPCs not built yet (streaming, stats, resource updates,
-//! checkpoints, events) answer UNIMPLEMENTED naming the RPC.
+//! `runtime.v1.RuntimeService`. RPCs not built yet (Exec, Attach, PortForward,
+//! CheckpointContainer, ListPodSandboxMetrics, GetContainerEvents) answer UNIMPLEMENTED naming
+//! the RPC.
 
 use std::pin::Pin;
 use std::sync::Arc;
