@@ -48,6 +48,19 @@ impl Daemon {
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
                 .map_err(|e| Error::io("change mode of", dir, e))?;
         }
+        // The layout exists from the start (not when first used), owner-only whatever the
+        // umask; an existing install gets its modes fixed here too.
+        for dir in [
+            config.state.join("pods"),
+            config.state.join("containers"),
+            config.root.join("containers"),
+            config.root.join("cni"),
+            config.root.join("cni/results"),
+        ] {
+            std::fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| Error::io("change mode of", &dir, e))?;
+        }
         let store = Arc::new(Store::open(&config.root.join("meta.db"))?);
         let images = Images::open(
             &config.root,
@@ -131,9 +144,24 @@ pub fn bind(path: &Path) -> Result<UnixListener> {
         }
         std::fs::remove_file(path).map_err(|e| Error::io("remove stale socket", path, e))?;
     }
-    let listener = UnixListener::bind(path).map_err(|e| Error::io("bind", path, e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .map_err(|e| Error::io("change mode of", path, e))?;
+    // Bound under a temporary name and given its mode before it appears under the real one:
+    // whatever the umask, nobody can connect to the socket while it is wider than 0660.
+    let tmp = path.with_file_name(format!(
+        ".{}.{}.tmp",
+        path.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp).map_err(|e| Error::io("bind", &tmp, e))?;
+    let placed = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| Error::io("change mode of", &tmp, e))
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|e| Error::io("rename socket to", path, e))
+        });
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     Ok(listener)
 }
 

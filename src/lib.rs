@@ -5,6 +5,7 @@ pub mod config;
 pub mod daemon;
 pub mod error;
 pub mod image;
+pub mod inroot;
 pub mod network;
 mod notify;
 pub mod pods;

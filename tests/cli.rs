@@ -39,7 +39,10 @@ fn config_default_prints_every_documented_key_with_its_documented_default() {
     ))
     .unwrap();
     let documented = documented_keys(&doc);
-    assert!(documented.len() >= 10, "doc table not found: {documented:?}");
+    assert!(
+        documented.len() >= 10,
+        "doc table not found: {documented:?}"
+    );
     for (key, default) in &documented {
         match (default.as_str(), flat.get(key)) {
             ("unset", None) => {}

@@ -254,14 +254,13 @@ async fn crictl_pod_and_container_commands() {
             .any(|l| l.contains(&ctr[..13]) && l.contains("Running") && l.contains("greeter")),
         "{ps}"
     );
-    let mut out = String::new();
-    for _ in 0..100 {
-        out = c.ok(&["logs", &ctr]);
-        if out.contains("hello") {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    support::wait_for(
+        "crictl logs to show the greeting",
+        std::time::Duration::from_secs(30),
+        || c.ok(&["logs", &ctr]).contains("hello"),
+    )
+    .await;
+    let out = c.ok(&["logs", &ctr]);
     assert_eq!(out.trim(), "hello from ops-host");
     let inspect: serde_json::Value = serde_json::from_str(&c.ok(&["inspect", &ctr])).unwrap();
     assert_eq!(inspect["status"]["state"], "CONTAINER_RUNNING");
@@ -346,14 +345,13 @@ async fn crictl_create_with_cdi_devices_and_annotations() {
         .trim()
         .to_string();
     c.ok(&["start", &ctr]);
-    let mut out = String::new();
-    for _ in 0..100 {
-        out = c.ok(&["logs", &ctr]);
-        if out.lines().count() >= 2 {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    support::wait_for(
+        "two lines in crictl logs",
+        std::time::Duration::from_secs(30),
+        || c.ok(&["logs", &ctr]).lines().count() >= 2,
+    )
+    .await;
+    let out = c.ok(&["logs", &ctr]);
     assert_eq!(
         out.lines().collect::<Vec<_>>(),
         vec!["/dev/crictl-null 1:3", "/dev/crictl-zero 1:5"],

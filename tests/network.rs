@@ -237,7 +237,7 @@ exit 0"#,
     net.plugin_script(
         "hanger",
         r#"cat >/dev/null
-[ "$CNI_COMMAND" = ADD ] && sleep 600
+[ "$CNI_COMMAND" = ADD ] && sleep 611
 exit 0"#,
     );
     net.write_conflist("10-test.conflist", &[serde_json::json!({"type": "failer"})]);
@@ -269,14 +269,95 @@ exit 0"#,
     assert!(pods.is_empty(), "{pods:?}");
 
     net.write_conflist("10-test.conflist", &[serde_json::json!({"type": "hanger"})]);
-    let started = std::time::Instant::now();
     let e = run_pod_err(&mut rt, &pod_config("stuck", logs.path())).await;
     assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
     assert!(e.message().contains("CNI plugin hanger"), "{e:?}");
-    assert!(started.elapsed() < Duration::from_secs(30));
+    // The silent plugin was killed with what it started.
+    support::wait_for(
+        "the hung plugin's processes to be gone",
+        Duration::from_secs(30),
+        || processes_with_cmdline(&["sleep", "611"]) == 0,
+    )
+    .await;
     assert!(net.leased().is_empty(), "{:?}", net.leased());
     assert!(net.veths().is_empty());
     assert!(Hako::files_under(&h.root.join("cni/results")).is_empty());
+}
+
+/// kubelet retries StopPodSandbox until it succeeds; a DEL that fails must fail the stop (or
+/// the attachment would be forgotten with its lease) and be run again on the retry.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_cni_del_fails_stop_pod_sandbox_and_the_retry_runs_it_again() {
+    let net = TestNet::new();
+    let refuse = net.dir.path().join("refuse-del");
+    let calls = net.dir.path().join("delfailer.calls");
+    net.plugin_script(
+        "delfailer",
+        &format!(
+            r#"cat >/dev/null
+echo "$CNI_COMMAND" >> {calls}
+if [ "$CNI_COMMAND" = DEL ] && [ -e {refuse} ]; then
+  echo '{{"cniVersion":"1.0.0","code":11,"msg":"detach refused","details":"fabric busy"}}'
+  exit 1
+fi
+[ "$CNI_COMMAND" = ADD ] && echo '{{"cniVersion":"1.0.0"}}'
+exit 0"#,
+            calls = calls.display(),
+            refuse = refuse.display()
+        ),
+    );
+    // First in the list, so its DEL runs last: the bridge's DEL has released the lease by then.
+    net.write_conflist_around(
+        "10-test.conflist",
+        &[serde_json::json!({"type": "delfailer"})],
+        &[],
+    );
+    let Some((_reg, h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let pod = run_pod(&mut rt, &pod_config("sticky", logs.path())).await;
+    assert_eq!(net.leased().len(), 1);
+    std::fs::write(&refuse, "").unwrap();
+    let dels = || {
+        std::fs::read_to_string(&calls)
+            .unwrap()
+            .lines()
+            .filter(|l| *l == "DEL")
+            .count()
+    };
+    for attempt in 1..=2 {
+        let e = rt
+            .stop_pod_sandbox(cri::StopPodSandboxRequest {
+                pod_sandbox_id: pod.clone(),
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            e.message().contains("CNI plugin delfailer") && e.message().contains("detach refused"),
+            "attempt {attempt}: {e:?}"
+        );
+        assert_eq!(dels(), attempt, "each stop runs DEL again");
+        assert!(
+            h.root.join("cni/results").read_dir().unwrap().count() > 0,
+            "the attachment is kept for the retry"
+        );
+    }
+    // Still there for kubelet to retry: listed, and not removable as if stopped.
+    let pods = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .items;
+    assert!(pods.iter().any(|p| p.id == pod), "{pods:?}");
+    std::fs::remove_file(&refuse).unwrap();
+    remove_pod(&mut rt, &pod).await;
+    assert_eq!(dels(), 3);
+    assert!(net.leased().is_empty(), "{:?}", net.leased());
+    assert!(net.veths().is_empty(), "{:?}", net.veths());
+    assert_no_leaks(&h, &pod);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -469,15 +550,13 @@ async fn attachments_no_pod_owns_are_released_at_start() {
     assert!(h
         .log_text()
         .contains("released the network of a pod that no longer exists"));
-    // The pod's monitor is an orphan now (nothing knows it): end it by hand.
-    let _ = std::process::Command::new("pkill")
-        .args(["-9", "-f", &format!("hako monitor.*{pod}")])
-        .status();
-    for m in cni::netns_mounts_under(h.dir.path()) {
-        if let Some(p) = m.split(' ').nth(4) {
-            let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
-        }
-    }
+    // No record owns the pod's monitor and namespaces either: the daemon released them too
+    // (its monitor, the pinned netns, its dirs and cgroup), logged.
+    assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
+    assert!(h
+        .log_text()
+        .contains("releasing a pod sandbox whose start did not finish"));
+    assert_no_leaks(&h, &pod);
 }
 
 #[tokio::test(flavor = "multi_thread")]

