@@ -237,6 +237,28 @@ impl Drop for Hako {
         if self.child.is_some() {
             let _ = self.stop();
         }
+        // A failed test can leave its pods running: end their processes and mounts so they do
+        // not outlive the run (passing tests have asserted there are none).
+        let dir = self.dir.path().display().to_string();
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+                continue;
+            };
+            if std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&dir))
+            {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        for m in mounts.lines().rev() {
+            if let Some(point) = m.split(' ').nth(4).filter(|p| p.starts_with(&dir)) {
+                let _ = nix::mount::umount2(point, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
         if std::thread::panicking() {
             eprintln!(
                 "--- hako log ({}) ---\n{}",
