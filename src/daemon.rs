@@ -43,9 +43,12 @@ pub struct Health {
 impl Daemon {
     /// Opens (or creates) the state under `config.root` and reconciles it.
     pub async fn open(config: Config) -> Result<Daemon> {
-        for dir in [&config.root, &config.state] {
+        // The root holds the store, images and containers' layers: owner only. The state dir
+        // stays traversable so a group given the socket (0660) can reach it; what is below it
+        // is owner only.
+        for (dir, mode) in [(&config.root, 0o700), (&config.state, 0o711)] {
             std::fs::create_dir_all(dir).map_err(|e| Error::io("create directory", dir, e))?;
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
                 .map_err(|e| Error::io("change mode of", dir, e))?;
         }
         // The layout exists from the start (not when first used), owner-only whatever the

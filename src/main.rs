@@ -103,6 +103,11 @@ fn main() -> ExitCode {
             if let Some(s) = state {
                 cfg.state = s;
             }
+            // Whatever umask the daemon was started with, what it creates is its own: the few
+            // things others must read (the socket, CRI logs, a container's root and
+            // /etc/hosts) get their modes set explicitly. Children (monitors, CNI plugins)
+            // set theirs back to 022.
+            nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
@@ -121,6 +126,9 @@ fn main() -> ExitCode {
 
 /// `hako monitor`: one pod's monitor, started by the daemon.
 fn monitor(options: &str) -> ExitCode {
+    // The daemon runs with umask 077; containers and what libcontainer makes inside their
+    // root filesystems (mount targets, /dev) expect the usual 022, as under runc.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
     // A session of its own: what is sent to the daemon's terminal or process group is not
     // the pod's business.
     let _ = nix::unistd::setsid();

@@ -83,6 +83,10 @@ impl Store {
                 crate::error::chain(&e)
             ))
         })?;
+        // Records hold containers' environments (secrets among them): owner only, also for a
+        // database an older hako created under a wider umask.
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .map_err(|e| Error::io("change mode of", path, e))?;
         let txn = db.begin_write()?;
         txn.open_table(IMAGES)?;
         txn.open_table(NAMES)?;

@@ -57,11 +57,29 @@ pub struct LogWriter {
     pending: [Vec<u8>; 2],
 }
 
+/// Opens (creating) a CRI log file: never through a symlink at its last component (the log
+/// dir is the pod's; a link there must not make the monitor append to another file), 0640 as
+/// containerd makes them.
 fn open(path: &Path) -> io::Result<File> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    OpenOptions::new().create(true).append(true).open(path)
+    let f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o640)
+        // O_NONBLOCK: a FIFO placed there must not block the monitor in open.
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.file_type().is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    f.set_permissions(std::fs::Permissions::from_mode(0o640))?;
+    Ok(f)
 }
 
 impl LogWriter {

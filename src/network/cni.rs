@@ -355,6 +355,9 @@ impl Cni {
             .stderr(std::process::Stdio::piped())
             // Its own process group: a plugin that is killed takes what it started with it.
             .process_group(0)
+            // Plugins write files others read (leases, iptables locks): the usual umask, not
+            // the daemon's 077.
+            .umask_022()
             .kill_on_drop(true);
         if let Some(att) = att {
             let args = att
@@ -443,6 +446,23 @@ pub fn pod_ips(result: &Value, ifname: &str) -> Vec<String> {
         .collect();
     ips.sort_by_key(|ip| ip.contains(':'));
     ips
+}
+
+/// Runs a child with umask 022.
+trait Umask022 {
+    fn umask_022(&mut self) -> &mut Self;
+}
+
+impl Umask022 for tokio::process::Command {
+    fn umask_022(&mut self) -> &mut Self {
+        // SAFETY: umask(2) is async-signal-safe and touches nothing shared with the parent.
+        unsafe {
+            self.pre_exec(|| {
+                libc::umask(0o022);
+                Ok(())
+            })
+        }
+    }
 }
 
 /// Kills a plugin's whole process group when the plugin is given up on (timeout, or the call

@@ -1074,9 +1074,9 @@ impl Runtime {
                 )));
             }
             if !Path::new(&m.host_path).exists() {
-                // A missing host path becomes a directory, as containerd and CRI-O do.
-                std::fs::create_dir_all(&m.host_path)
-                    .map_err(|e| Error::io("create mount source", &m.host_path, e))?;
+                // A missing host path becomes a directory, as containerd and CRI-O do, with
+                // their 0755 (the daemon's umask is 077).
+                rootfs::create_dirs(Path::new(&m.host_path), 0o755)?;
             }
             mounts.push(spec::Mount {
                 destination: m.container_path.clone(),
@@ -1136,7 +1136,7 @@ impl Runtime {
                 .collect::<Result<Vec<_>>>()?
                 .concat()
         };
-        let cgroup_parent = pod_cgroup(&pod);
+        let cgroup_parent = pod_cgroup(pod);
         let annotations: BTreeMap<String, String> = req.annotations.clone();
         let mut cs = ContainerSpec {
             args,
@@ -1794,6 +1794,9 @@ fn write_pod_files(dir: &Path, spec: &PodSpec) -> Result<()> {
     ] {
         let p = dir.join(file);
         std::fs::write(&p, content).map_err(|e| Error::io("write", &p, e))?;
+        // Bind-mounted into every container, read by whatever user it runs as.
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+            .map_err(|e| Error::io("change mode of", &p, e))?;
     }
     Ok(())
 }

@@ -7,11 +7,36 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
 use crate::error::{Error, Result};
 
+/// Creates `path` and its missing parents; each one created gets `mode` whatever the umask.
+pub fn create_dirs(path: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut missing = Vec::new();
+    let mut p = path;
+    while !p.as_os_str().is_empty() && std::fs::symlink_metadata(p).is_err() {
+        missing.push(p);
+        p = p.parent().unwrap_or(Path::new(""));
+    }
+    for d in missing.into_iter().rev() {
+        match std::fs::create_dir(d) {
+            Ok(()) => std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode))
+                .map_err(|e| Error::io("change mode of", d, e))?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(Error::io("create directory", d, e)),
+        }
+    }
+    Ok(())
+}
+
 /// Mounts `lowers` (topmost first) under `upper`/`work` at `target`.
 pub fn mount_overlay(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Path) -> Result<()> {
-    for d in [upper, work, target] {
+    for d in [work, target] {
         std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
     }
+    // The upper dir's own mode is the container's `/`: 0755, or a non-root user could not
+    // reach anything (its parents, owner only, keep host users out).
+    create_dirs(upper, 0o755)?;
+    std::fs::set_permissions(upper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .map_err(|e| Error::io("change mode of", upper, e))?;
     if lowers.is_empty() {
         return Err(Error::InvalidArgument("image has no layers".into()));
     }

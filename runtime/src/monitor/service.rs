@@ -736,10 +736,33 @@ impl Svc {
 impl Svc {
     /// Answers the one call a connection carries (see [`wire`]).
     async fn answer(&self, mut conn: tokio::net::UnixStream) {
-        let (tag, body) = match wire::read_frame(&mut conn).await {
-            Ok(f) => f,
+        // Only the daemon may drive the pod: root or the uid this monitor runs as. The socket
+        // sits in an owner-only directory; this holds even if that is ever loosened.
+        match conn.peer_cred() {
+            Ok(c) if c.uid() == 0 || c.uid() == nix::unistd::geteuid().as_raw() => {}
+            Ok(c) => {
+                tracing::warn!(uid = c.uid(), pid = ?c.pid(), "refused a call from another user on the monitor socket");
+                return;
+            }
             Err(e) => {
+                tracing::warn!(error = %e, "no peer credentials on the monitor socket");
+                return;
+            }
+        }
+        // A peer that connects and says nothing does not hold a task forever.
+        let call = tokio::time::timeout(
+            CALL_READ_TIMEOUT,
+            wire::read_frame_max(&mut conn, wire::MAX_REQUEST),
+        )
+        .await;
+        let (tag, body) = match call {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "unreadable call on the monitor socket");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!("a caller on the monitor socket sent nothing in time");
                 return;
             }
         };
@@ -779,6 +802,9 @@ impl Svc {
 }
 
 /// Serves until `Shutdown` (or SIGTERM), then kills what is left of the pod and releases it.
+/// How long the monitor waits for a connected caller to send its call.
+const CALL_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 pub(crate) async fn serve(
     state: Shared,
     shutdown: tokio::sync::oneshot::Receiver<()>,

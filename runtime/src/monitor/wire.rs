@@ -114,12 +114,24 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin>(
     w.flush().await
 }
 
+/// The largest call the monitor reads: calls carry ids, paths and an exec's argv, never output.
+pub const MAX_REQUEST: usize = 1 << 20;
+
 /// Reads one frame: its tag and body.
 pub async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R) -> std::io::Result<(u8, Vec<u8>)> {
+    read_frame_max(r, MAX_FRAME).await
+}
+
+/// Reads one frame of at most `max` bytes; a larger length is refused before anything is
+/// allocated for it.
+pub async fn read_frame_max<R: AsyncReadExt + Unpin>(
+    r: &mut R,
+    max: usize,
+) -> std::io::Result<(u8, Vec<u8>)> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len).await?;
     let len = u32::from_be_bytes(len) as usize;
-    if len == 0 || len > MAX_FRAME {
+    if len == 0 || len > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("frame of {len} bytes"),
