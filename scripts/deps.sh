@@ -11,6 +11,7 @@ pkgs=(
   apache2-utils openssl                          # tests: htpasswd and certificates for registry auth/TLS
   containernetworking-plugins iptables iproute2  # CNI plugins in /usr/lib/cni (portmap needs iptables)
   systemd                                        # tests: systemd-analyze verify of the unit
+  libc6-dev apparmor                             # tests: static seccomp probe (cc -static); AppArmor profile syntax
 )
 missing=()
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }

@@ -137,217 +137,13 @@ pub struct Device {
 pub enum Seccomp {
     #[default]
     Unconfined,
-    /// hako's default profile (see [`runtime_default_seccomp`]).
+    /// hako's default profile (see [`crate::seccomp`]).
     RuntimeDefault,
     /// A profile in OCI form (`linux.seccomp`), e.g. converted from a Localhost profile.
     Profile(serde_json::Value),
 }
 
-/// Syscalls the default profile denies (EPERM), each unless the container holds one of the
-/// listed capabilities: the set docker's and containerd's default profiles keep from
-/// containers, expressed as a deny list over a default of allow, so that workloads keep every
-/// ordinary syscall (including ones newer than this list).
-const DENIED_SYSCALLS: &[(&[&str], &[&str])] = &[
-    (&["acct"], &["CAP_SYS_PACCT"]),
-    (&["add_key", "keyctl", "request_key"], &[]),
-    (&["bpf"], &["CAP_SYS_ADMIN", "CAP_BPF"]),
-    (
-        &[
-            "clock_adjtime",
-            "clock_settime",
-            "settimeofday",
-            "stime",
-            "adjtimex",
-        ],
-        &["CAP_SYS_TIME"],
-    ),
-    (
-        &[
-            "create_module",
-            "delete_module",
-            "finit_module",
-            "init_module",
-            "get_kernel_syms",
-            "query_module",
-        ],
-        &["CAP_SYS_MODULE"],
-    ),
-    (
-        &[
-            "get_mempolicy",
-            "mbind",
-            "set_mempolicy",
-            "move_pages",
-            "migrate_pages",
-        ],
-        &["CAP_SYS_NICE"],
-    ),
-    (&["ioperm", "iopl"], &["CAP_SYS_RAWIO"]),
-    (
-        &["kcmp", "process_vm_readv", "process_vm_writev", "ptrace"],
-        &["CAP_SYS_PTRACE"],
-    ),
-    (
-        &["kexec_file_load", "kexec_load", "reboot"],
-        &["CAP_SYS_BOOT"],
-    ),
-    (
-        &[
-            "lookup_dcookie",
-            "quotactl",
-            "quotactl_fd",
-            "setdomainname",
-            "sethostname",
-            "setns",
-            "swapon",
-            "swapoff",
-            "sysfs",
-            "_sysctl",
-            "umount",
-            "umount2",
-            "unshare",
-            "mount",
-            "pivot_root",
-            "vhangup",
-            "fsconfig",
-            "fsmount",
-            "fsopen",
-            "fspick",
-            "move_mount",
-            "open_tree",
-            "mount_setattr",
-            "nfsservctl",
-            "uselib",
-            "ustat",
-            "vm86",
-            "vm86old",
-            "personality",
-        ],
-        &["CAP_SYS_ADMIN"],
-    ),
-    (
-        &["name_to_handle_at", "open_by_handle_at"],
-        &["CAP_DAC_READ_SEARCH"],
-    ),
-    (
-        &["perf_event_open", "fanotify_init"],
-        &["CAP_SYS_ADMIN", "CAP_PERFMON"],
-    ),
-    (&["syslog"], &["CAP_SYSLOG"]),
-    (&["userfaultfd"], &["CAP_SYS_PTRACE"]),
-];
-
-/// Namespace-creating clone flags (CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET).
-const CLONE_NS_FLAGS: u64 = 0x7E02_0000;
-
-/// hako's RuntimeDefault profile for a container holding `caps`.
-pub fn runtime_default_seccomp(caps: &[String]) -> Value {
-    let mut denied: Vec<&str> = Vec::new();
-    for (names, unless) in DENIED_SYSCALLS {
-        if !unless.iter().any(|c| caps.iter().any(|have| have == c)) {
-            denied.extend(names.iter());
-        }
-    }
-    let mut syscalls = vec![json!({"names": denied, "action": "SCMP_ACT_ERRNO", "errnoRet": 1})];
-    if !caps.iter().any(|c| c == "CAP_SYS_ADMIN") {
-        // clone may not create namespaces; clone3's flags are out of seccomp's reach, so it
-        // reports ENOSYS and libc falls back to clone.
-        syscalls.push(json!({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1,
-            "args": [{"index": 0, "value": CLONE_NS_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]}));
-        syscalls.push(json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38}));
-    }
-    json!({
-        "defaultAction": "SCMP_ACT_ALLOW",
-        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32", "SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
-        "syscalls": syscalls,
-    })
-}
-
-/// A seccomp profile in the docker/Kubernetes file format (as Localhost profiles are written)
-/// to OCI form: `archMap` flattened, `name` folded into `names`, capability-conditional
-/// entries kept when the container holds the capability.
-pub fn profile_to_oci(profile: &Value, caps: &[String]) -> Result<Value, String> {
-    let obj = profile.as_object().ok_or("profile is not a JSON object")?;
-    let default = obj
-        .get("defaultAction")
-        .and_then(|v| v.as_str())
-        .ok_or("profile has no defaultAction")?;
-    let mut out = json!({"defaultAction": default});
-    if let Some(e) = obj.get("defaultErrnoRet") {
-        out["defaultErrnoRet"] = e.clone();
-    }
-    let mut arches: Vec<Value> = obj
-        .get("architectures")
-        .and_then(|a| a.as_array())
-        .cloned()
-        .unwrap_or_default();
-    if let Some(map) = obj.get("archMap").and_then(|a| a.as_array()) {
-        for m in map {
-            if let Some(a) = m.get("architecture") {
-                arches.push(a.clone());
-            }
-            arches.extend(
-                m.get("subArchitectures")
-                    .and_then(|s| s.as_array())
-                    .cloned()
-                    .unwrap_or_default(),
-            );
-        }
-    }
-    if !arches.is_empty() {
-        out["architectures"] = Value::Array(arches);
-    }
-    let mut syscalls = Vec::new();
-    for (i, sc) in obj
-        .get("syscalls")
-        .and_then(|s| s.as_array())
-        .cloned()
-        .unwrap_or_default()
-        .into_iter()
-        .enumerate()
-    {
-        let needs_caps: Vec<String> = sc
-            .pointer("/includes/caps")
-            .and_then(|c| c.as_array())
-            .map(|a| a.iter().filter_map(|x| x.as_str().map(cap_name)).collect())
-            .unwrap_or_default();
-        if !needs_caps.is_empty() && !needs_caps.iter().any(|c| caps.contains(c)) {
-            continue;
-        }
-        let excluded: Vec<String> = sc
-            .pointer("/excludes/caps")
-            .and_then(|c| c.as_array())
-            .map(|a| a.iter().filter_map(|x| x.as_str().map(cap_name)).collect())
-            .unwrap_or_default();
-        if excluded.iter().any(|c| caps.contains(c)) {
-            continue;
-        }
-        let mut names: Vec<Value> = sc
-            .get("names")
-            .and_then(|n| n.as_array())
-            .cloned()
-            .unwrap_or_default();
-        if let Some(n) = sc.get("name") {
-            names.push(n.clone());
-        }
-        let action = sc
-            .get("action")
-            .and_then(|a| a.as_str())
-            .ok_or(format!("syscalls[{i}] has no action"))?;
-        if names.is_empty() {
-            return Err(format!("syscalls[{i}] names no syscall"));
-        }
-        let mut e = json!({"names": names, "action": action});
-        for k in ["args", "errnoRet"] {
-            if let Some(v) = sc.get(k) {
-                e[k] = v.clone();
-            }
-        }
-        syscalls.push(e);
-    }
-    out["syscalls"] = Value::Array(syscalls);
-    Ok(out)
-}
+pub use crate::seccomp::profile_to_oci;
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Resources {
@@ -436,6 +232,10 @@ pub struct ContainerSpec {
     pub cap_limit: Vec<String>,
     /// Ignored for privileged containers, as in containerd and CRI-O.
     pub seccomp: Seccomp,
+    /// The AppArmor profile to run under (`process.apparmorProfile`), already decided by
+    /// [`crate::apparmor::decide`]; `None`: no profile in the spec.
+    #[serde(default)]
+    pub apparmor_profile: Option<String>,
 }
 
 fn cap_name(c: &str) -> String {
@@ -690,11 +490,17 @@ pub fn generate_json(s: &ContainerSpec) -> Value {
     } else if s.mounts.iter().any(|m| m.propagation == "rslave") {
         linux["rootfsPropagation"] = json!("slave");
     }
+    if let Some(profile) = &s.apparmor_profile {
+        process["apparmorProfile"] = json!(profile);
+    }
     if !s.privileged {
-        match &s.seccomp {
-            Seccomp::Unconfined => {}
-            Seccomp::RuntimeDefault => linux["seccomp"] = runtime_default_seccomp(&caps),
-            Seccomp::Profile(p) => linux["seccomp"] = p.clone(),
+        let profile = match &s.seccomp {
+            Seccomp::Unconfined => None,
+            Seccomp::RuntimeDefault => Some(crate::seccomp::runtime_default(&caps)),
+            Seccomp::Profile(p) => Some(p.clone()),
+        };
+        if let Some(p) = profile {
+            linux["seccomp"] = crate::seccomp::for_libcontainer(p);
         }
     }
     if !s.privileged {
@@ -830,18 +636,27 @@ mod tests {
     }
 
     #[test]
-    fn seccomp_default_denies_by_capability_and_privileged_ignores_it() {
+    fn seccomp_default_is_generated_and_privileged_ignores_it() {
         check(
             |s| s.seccomp = Seccomp::RuntimeDefault,
             |v| {
-                let denied = v["linux"]["seccomp"]["syscalls"][0]["names"]
+                let sc = &v["linux"]["seccomp"];
+                assert_eq!(sc["defaultAction"], "SCMP_ACT_ERRNO");
+                let allowed = sc["syscalls"][0]["names"].as_array().unwrap();
+                assert!(allowed.iter().any(|n| n == "read"));
+                assert!(!allowed.iter().any(|n| n == "mount"));
+                // The clone rule reaches the spec in libcontainer's reading (mask in valueTwo).
+                let clone = sc["syscalls"]
                     .as_array()
-                    .unwrap();
-                assert!(
-                    denied.iter().any(|n| n == "mount")
-                        && denied.iter().any(|n| n == "sethostname")
+                    .unwrap()
+                    .iter()
+                    .find(|r| r["names"] == json!(["clone"]))
+                    .expect("a clone rule");
+                assert_eq!(
+                    clone["args"][0]["valueTwo"],
+                    crate::seccomp::CLONE_NAMESPACE_FLAGS
                 );
-                assert_eq!(v["linux"]["seccomp"]["defaultAction"], "SCMP_ACT_ALLOW");
+                assert_eq!(clone["args"][0]["value"], 0);
             },
         );
         check(
@@ -850,14 +665,14 @@ mod tests {
                 s.add_capabilities = vec!["SYS_ADMIN".into()];
             },
             |v| {
-                let denied = v["linux"]["seccomp"]["syscalls"][0]["names"]
+                let allowed = v["linux"]["seccomp"]["syscalls"][0]["names"]
                     .as_array()
                     .unwrap();
                 assert!(
-                    !denied.iter().any(|n| n == "mount"),
+                    allowed.iter().any(|n| n == "mount"),
                     "CAP_SYS_ADMIN allows mount"
                 );
-                assert!(denied.iter().any(|n| n == "ptrace"));
+                assert!(!allowed.iter().any(|n| n == "kexec_load"));
             },
         );
         check(
@@ -874,39 +689,30 @@ mod tests {
     }
 
     #[test]
-    fn docker_format_profiles_convert_to_oci() {
-        let p = json!({
-            "defaultAction": "SCMP_ACT_ERRNO",
-            "archMap": [{"architecture": "SCMP_ARCH_X86_64", "subArchitectures": ["SCMP_ARCH_X86"]}],
-            "syscalls": [
-                {"names": ["read", "write"], "action": "SCMP_ACT_ALLOW"},
-                {"name": "chmod", "action": "SCMP_ACT_ERRNO", "errnoRet": 1},
-                {"names": ["mount"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
-            ]
-        });
-        let oci = profile_to_oci(&p, &["CAP_CHOWN".into()]).unwrap();
-        assert_eq!(
-            oci["architectures"],
-            json!(["SCMP_ARCH_X86_64", "SCMP_ARCH_X86"])
-        );
-        assert_eq!(
-            oci["syscalls"].as_array().unwrap().len(),
-            2,
-            "mount needs CAP_SYS_ADMIN"
-        );
-        assert_eq!(
-            oci["syscalls"][1],
-            json!({"names": ["chmod"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1})
-        );
-        let with_admin = profile_to_oci(&p, &["CAP_SYS_ADMIN".into()]).unwrap();
-        assert_eq!(with_admin["syscalls"].as_array().unwrap().len(), 3);
-        assert!(profile_to_oci(&json!({"syscalls": []}), &[])
-            .unwrap_err()
-            .contains("defaultAction"));
-        // The generated spec parses with the profile in it.
+    fn localhost_seccomp_profiles_are_adapted_for_libcontainer() {
+        let p = json!({"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
+            {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+             "args": [{"index": 0, "value": 0x7E02_0000u64, "op": "SCMP_CMP_MASKED_EQ"}]}]});
         check(
-            |s| s.seccomp = Seccomp::Profile(oci.clone()),
-            |v| assert_eq!(v["linux"]["seccomp"]["defaultAction"], "SCMP_ACT_ERRNO"),
+            |s| s.seccomp = Seccomp::Profile(p.clone()),
+            |v| {
+                assert_eq!(
+                    v["linux"]["seccomp"]["syscalls"][0]["args"][0],
+                    json!({"index": 0, "value": 0, "valueTwo": 0x7E02_0000u64, "op": "SCMP_CMP_MASKED_EQ"})
+                );
+            },
+        );
+    }
+
+    #[test]
+    fn apparmor_profile_reaches_the_process() {
+        check(
+            |s| s.apparmor_profile = Some("hako-default".into()),
+            |v| assert_eq!(v["process"]["apparmorProfile"], "hako-default"),
+        );
+        check(
+            |_| {},
+            |v| assert!(v["process"].get("apparmorProfile").is_none()),
         );
     }
 

@@ -1184,6 +1184,7 @@ impl Runtime {
             readonly_paths: sec.readonly_paths.clone(),
             cap_limit: self.cap_limit.clone(),
             seccomp: spec::Seccomp::Unconfined,
+            apparmor_profile: None,
         };
         let caps = spec::capabilities(&cs);
         cs.seccomp = match &sec.seccomp {
@@ -1220,6 +1221,7 @@ impl Runtime {
                 )
             }
         };
+        cs.apparmor_profile = apparmor_profile(sec, &req.name)?;
         Ok(cs)
     }
 
@@ -1799,6 +1801,25 @@ fn write_pod_files(dir: &Path, spec: &PodSpec) -> Result<()> {
             .map_err(|e| Error::io("change mode of", &p, e))?;
     }
     Ok(())
+}
+
+/// The AppArmor profile of container `name`, decided as containerd's CRI decides it (see
+/// `hako_runtime::apparmor`); a requested profile this host cannot apply is an error.
+fn apparmor_profile(sec: &Security, name: &str) -> Result<Option<String>> {
+    use hako_runtime::apparmor::{self, ApplyError, Refusal};
+    let decision = apparmor::decide(
+        sec.apparmor.as_ref(),
+        sec.privileged,
+        apparmor::host_enabled(),
+    )
+    .map_err(|e| match e {
+        Refusal::NotSupported(_) => Error::FailedPrecondition(format!("container {name}: {e}")),
+        Refusal::EmptyName => Error::InvalidArgument(format!("container {name}: {e}")),
+    })?;
+    apparmor::apply(&decision).map_err(|e| match e {
+        ApplyError::NotLoaded(_) => Error::NotFound(format!("container {name}: {e}")),
+        ApplyError::Host(_) => Error::FailedPrecondition(format!("container {name}: {e}")),
+    })
 }
 
 #[cfg(test)]

@@ -141,6 +141,9 @@ pub struct Security {
     pub pid: NsMode,
     pub pid_target: String,
     pub seccomp: SeccompReq,
+    /// `None`: the request names no AppArmor profile.
+    #[serde(default)]
+    pub apparmor: Option<hako_runtime::apparmor::Request>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -8,6 +8,7 @@ use crate::pods::{
     ContainerSpecReq, ContainerState, ContainerView, DeviceReq, Dns, MountReq, NsMode, PodRecord,
     PodSpec, PodState, PortMapping, Propagation, SeccompReq, Security,
 };
+use hako_runtime::apparmor::Request as AppArmorReq;
 use hako_runtime::spec::Resources;
 
 fn btree(m: HashMap<String, String>) -> BTreeMap<String, String> {
@@ -264,6 +265,8 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
             // The deprecated path form is still what older kubelets send.
             #[allow(deprecated)]
             seccomp: seccomp(s.seccomp.as_ref(), &s.seccomp_profile_path),
+            #[allow(deprecated)]
+            apparmor: apparmor(s.apparmor.as_ref(), &s.apparmor_profile),
         },
     }
 }
@@ -289,6 +292,28 @@ fn seccomp(p: Option<&cri::SecurityProfile>, path: &str) -> SeccompReq {
         }
         _ => SeccompReq::Unconfined,
     }
+}
+
+/// The AppArmor request: the typed field, else the deprecated string form; neither is `None`.
+fn apparmor(p: Option<&cri::SecurityProfile>, path: &str) -> Option<AppArmorReq> {
+    let Some(p) = p else {
+        return AppArmorReq::from_path(path);
+    };
+    Some(
+        match cri::security_profile::ProfileType::try_from(p.profile_type)
+            .unwrap_or(cri::security_profile::ProfileType::RuntimeDefault)
+        {
+            cri::security_profile::ProfileType::RuntimeDefault => AppArmorReq::RuntimeDefault,
+            cri::security_profile::ProfileType::Unconfined => AppArmorReq::Unconfined,
+            // The name, with the prefix of the string form tolerated as containerd does.
+            cri::security_profile::ProfileType::Localhost => AppArmorReq::Localhost(
+                p.localhost_ref
+                    .strip_prefix("localhost/")
+                    .unwrap_or(&p.localhost_ref)
+                    .to_string(),
+            ),
+        },
+    )
 }
 
 fn container_state(s: ContainerState) -> i32 {
@@ -482,5 +507,43 @@ pub fn pod_stats(
             containers,
         }),
         windows: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn apparmor_request_from_the_typed_field_or_the_string() {
+        let typed = |t: cri::security_profile::ProfileType, r: &str| cri::SecurityProfile {
+            profile_type: t as i32,
+            localhost_ref: r.into(),
+        };
+        use cri::security_profile::ProfileType as T;
+        assert_eq!(apparmor(None, ""), None);
+        assert_eq!(
+            apparmor(None, "runtime/default"),
+            Some(AppArmorReq::RuntimeDefault)
+        );
+        assert_eq!(
+            apparmor(None, "localhost/p"),
+            Some(AppArmorReq::Localhost("p".into()))
+        );
+        // The typed field wins over the string.
+        assert_eq!(
+            apparmor(Some(&typed(T::Unconfined, "")), "runtime/default"),
+            Some(AppArmorReq::Unconfined)
+        );
+        assert_eq!(
+            apparmor(Some(&typed(T::RuntimeDefault, "")), ""),
+            Some(AppArmorReq::RuntimeDefault)
+        );
+        for r in ["p", "localhost/p"] {
+            assert_eq!(
+                apparmor(Some(&typed(T::Localhost, r)), ""),
+                Some(AppArmorReq::Localhost("p".into()))
+            );
+        }
     }
 }

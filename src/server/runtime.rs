@@ -82,6 +82,11 @@ impl RuntimeService for Runtime {
         };
         if req.get_ref().verbose {
             resp.info.insert("config".into(), self.daemon.config_json());
+            // Whether this host can enforce AppArmor profiles, and what a request for one does.
+            resp.info.insert(
+                "apparmor".into(),
+                hako_runtime::apparmor::status_info().to_string(),
+            );
             // Broken CDI specs are reported here (and logged), never skipped silently.
             let cdi = self.daemon.cdi.clone();
             let (devices, errors) = tokio::task::spawn_blocking(move || cdi.report())
