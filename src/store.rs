@@ -8,6 +8,16 @@
 //! - `images`: image id (`sha256:<config digest>`) → [`ImageRecord`]
 //! - `names`: repo tag or repo digest → image id. A name points at exactly one image.
 //! - `snapshots`: chain id → [`SnapshotRecord`]. A snapshot exists only once fully unpacked.
+//! - `pods`, `containers`: id → the runtime's records (`pods::types`).
+//! - `reservations`: pod or container name (kubelet's unique key) → id; `pins`: container id
+//!   → chain ids it keeps from GC.
+//! - `quarantine`: `<table>/<key>` → the raw bytes of a record that could not be read. One bad
+//!   record is logged, moved here for inspection and skipped; it never makes every List fail
+//!   or keep the daemon from starting.
+//!
+//! Versions: a record without `v` (written before versions existed) is read as version 0 and
+//! migrated; a record newer than [`RECORD_VERSION`] was written by a newer hako, and reading
+//! it fails with an error saying so (a downgrade is refused, not guessed at).
 
 use std::path::Path;
 
@@ -25,6 +35,8 @@ const CONTAINERS: TableDefinition<&str, &[u8]> = TableDefinition::new("container
 const RESERVATIONS: TableDefinition<&str, &str> = TableDefinition::new("reservations");
 /// Owner (container id) → JSON list of chain ids it keeps from GC.
 const PINS: TableDefinition<&str, &[u8]> = TableDefinition::new("pins");
+/// `<table>/<key>` → raw bytes of an unreadable record.
+const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
 
 pub const RECORD_VERSION: u32 = 1;
 
@@ -70,8 +82,53 @@ fn encode<T: Serialize>(rec: &T) -> Vec<u8> {
 }
 
 fn decode<T: DeserializeOwned>(table: &str, key: &str, bytes: &[u8]) -> Result<T> {
-    serde_json::from_slice(bytes)
-        .map_err(|e| Error::Store(format!("corrupt {table} record {key}: {e}")))
+    match read_record(table, key, bytes)? {
+        Ok(t) => Ok(t),
+        Err(why) => Err(Error::Store(format!("corrupt {table} record {key}: {why}"))),
+    }
+}
+
+/// Reads a record: `Ok(Err(why))` when it cannot be read (to be quarantined), `Err` when it is
+/// newer than this hako understands.
+fn read_record<T: DeserializeOwned>(
+    table: &str,
+    key: &str,
+    bytes: &[u8],
+) -> Result<std::result::Result<T, String>> {
+    let mut value: serde_json::Value = match serde_json::from_slice(bytes) {
+        Ok(v) => v,
+        Err(e) => return Ok(Err(e.to_string())),
+    };
+    // Pins are bare lists and carry no version.
+    if let Some(obj) = value.as_object_mut() {
+        let v = match obj.get("v") {
+            None => 0,
+            Some(v) => match v.as_u64() {
+                Some(n) => n,
+                None => return Ok(Err(format!("version {v} is not a number"))),
+            },
+        };
+        if v > RECORD_VERSION as u64 {
+            return Err(Error::FailedPrecondition(format!(
+                "{table} record {key} has version {v}, written by a newer hako; hako {} reads \
+                 versions up to {RECORD_VERSION} (downgrades are not supported)",
+                env!("CARGO_PKG_VERSION")
+            )));
+        }
+        if v < RECORD_VERSION as u64 {
+            migrate(table, v, obj);
+        }
+    }
+    Ok(serde_json::from_value(value).map_err(|e| e.to_string()))
+}
+
+/// Brings an older record to [`RECORD_VERSION`]. Version 0 is the shape before records had a
+/// version (and before images recorded their `User`).
+fn migrate(table: &str, from: u64, obj: &mut serde_json::Map<String, serde_json::Value>) {
+    if from == 0 && table == "images" && !obj.contains_key("user") {
+        obj.insert("user".into(), serde_json::Value::String(String::new()));
+    }
+    obj.insert("v".into(), RECORD_VERSION.into());
 }
 
 impl Store {
@@ -95,28 +152,105 @@ impl Store {
         txn.open_table(CONTAINERS)?;
         txn.open_table(RESERVATIONS)?;
         txn.open_table(PINS)?;
+        txn.open_table(QUARANTINE)?;
         txn.commit()?;
         Ok(Store { db })
     }
 
     pub fn images(&self) -> Result<Vec<ImageRecord>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(IMAGES)?;
+        self.read_all(IMAGES, "images")
+    }
+
+    pub fn image(&self, id: &str) -> Result<Option<ImageRecord>> {
+        self.read_one(IMAGES, "images", id)
+    }
+
+    /// Every readable record of a table; unreadable ones are quarantined and skipped.
+    fn read_all<T: DeserializeOwned>(
+        &self,
+        def: TableDefinition<&str, &[u8]>,
+        name: &str,
+    ) -> Result<Vec<T>> {
         let mut out = Vec::new();
-        for row in table.iter()? {
-            let (k, v) = row?;
-            out.push(decode("images", k.value(), v.value())?);
+        let mut bad = Vec::new();
+        {
+            let txn = self.db.begin_read()?;
+            let table = txn.open_table(def)?;
+            for row in table.iter()? {
+                let (k, v) = row?;
+                match read_record(name, k.value(), v.value())? {
+                    Ok(t) => out.push(t),
+                    Err(why) => bad.push((k.value().to_string(), why)),
+                }
+            }
+        }
+        for (key, why) in bad {
+            self.quarantine(def, name, &key, &why)?;
         }
         Ok(out)
     }
 
-    pub fn image(&self, id: &str) -> Result<Option<ImageRecord>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(IMAGES)?;
-        match table.get(id)? {
-            Some(v) => Ok(Some(decode("images", id, v.value())?)),
+    /// One record; an unreadable one is quarantined and reads as absent.
+    fn read_one<T: DeserializeOwned>(
+        &self,
+        def: TableDefinition<&str, &[u8]>,
+        name: &str,
+        key: &str,
+    ) -> Result<Option<T>> {
+        let found = {
+            let txn = self.db.begin_read()?;
+            let table = txn.open_table(def)?;
+            match table.get(key)? {
+                Some(v) => Some(read_record(name, key, v.value())?),
+                None => None,
+            }
+        };
+        match found {
             None => Ok(None),
+            Some(Ok(t)) => Ok(Some(t)),
+            Some(Err(why)) => {
+                self.quarantine(def, name, key, &why)?;
+                Ok(None)
+            }
         }
+    }
+
+    /// Moves an unreadable record to the quarantine table, logged.
+    fn quarantine(
+        &self,
+        def: TableDefinition<&str, &[u8]>,
+        name: &str,
+        key: &str,
+        why: &str,
+    ) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut table = txn.open_table(def)?;
+            let raw = table.remove(key)?.map(|v| v.value().to_vec());
+            if let Some(raw) = raw {
+                txn.open_table(QUARANTINE)?
+                    .insert(format!("{name}/{key}").as_str(), raw.as_slice())?;
+            }
+        }
+        txn.commit()?;
+        tracing::error!(
+            table = name,
+            key,
+            reason = why,
+            "unreadable record moved to the quarantine table and skipped"
+        );
+        Ok(())
+    }
+
+    /// The quarantined records' keys (`<table>/<key>`).
+    pub fn quarantined(&self) -> Result<Vec<String>> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(QUARANTINE)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            out.push(row?.0.value().to_string());
+        }
+        Ok(out)
     }
 
     /// The image a repo tag or repo digest points at.
@@ -127,23 +261,11 @@ impl Store {
     }
 
     pub fn snapshot(&self, chain_id: &str) -> Result<Option<SnapshotRecord>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(SNAPSHOTS)?;
-        match table.get(chain_id)? {
-            Some(v) => Ok(Some(decode("snapshots", chain_id, v.value())?)),
-            None => Ok(None),
-        }
+        self.read_one(SNAPSHOTS, "snapshots", chain_id)
     }
 
     pub fn snapshots(&self) -> Result<Vec<SnapshotRecord>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(SNAPSHOTS)?;
-        let mut out = Vec::new();
-        for row in table.iter()? {
-            let (k, v) = row?;
-            out.push(decode("snapshots", k.value(), v.value())?);
-        }
-        Ok(out)
+        self.read_all(SNAPSHOTS, "snapshots")
     }
 
     pub fn put_snapshot(&self, rec: &SnapshotRecord) -> Result<()> {
@@ -170,9 +292,14 @@ impl Store {
         {
             let mut images = txn.open_table(IMAGES)?;
             let mut names = txn.open_table(NAMES)?;
-            let mut merged = match images.get(rec.id.as_str())? {
-                Some(v) => decode::<ImageRecord>("images", &rec.id, v.value())?,
-                None => rec.clone(),
+            // An unreadable record under this id is replaced by the new one.
+            let existing = images
+                .get(rec.id.as_str())?
+                .map(|v| read_record::<ImageRecord>("images", &rec.id, v.value()))
+                .transpose()?;
+            let mut merged = match existing {
+                Some(Ok(r)) => r,
+                _ => rec.clone(),
             };
             for name in rec.repo_tags.iter().chain(&rec.repo_digests) {
                 let previous = names
@@ -180,8 +307,11 @@ impl Store {
                     .map(|v| v.value().to_string());
                 if let Some(prev) = previous.filter(|p| p != &rec.id) {
                     let prev_rec = images.get(prev.as_str())?.map(|v| v.value().to_vec());
-                    if let Some(bytes) = prev_rec {
-                        let mut old: ImageRecord = decode("images", &prev, &bytes)?;
+                    let prev_rec = match prev_rec {
+                        Some(b) => read_record::<ImageRecord>("images", &prev, &b)?.ok(),
+                        None => None,
+                    };
+                    if let Some(mut old) = prev_rec {
                         old.repo_tags.retain(|t| t != name);
                         old.repo_digests.retain(|d| d != name);
                         if old.repo_tags.is_empty() && old.repo_digests.is_empty() {
@@ -256,23 +386,11 @@ impl Table {
 
 impl Store {
     pub fn get<T: DeserializeOwned>(&self, t: Table, id: &str) -> Result<Option<T>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(t.def())?;
-        match table.get(id)? {
-            Some(v) => Ok(Some(decode(t.name(), id, v.value())?)),
-            None => Ok(None),
-        }
+        self.read_one(t.def(), t.name(), id)
     }
 
     pub fn all<T: DeserializeOwned>(&self, t: Table) -> Result<Vec<T>> {
-        let txn = self.db.begin_read()?;
-        let table = txn.open_table(t.def())?;
-        let mut out = Vec::new();
-        for row in table.iter()? {
-            let (k, v) = row?;
-            out.push(decode(t.name(), k.value(), v.value())?);
-        }
-        Ok(out)
+        self.read_all(t.def(), t.name())
     }
 
     pub fn put<T: Serialize>(&self, t: Table, id: &str, rec: &T) -> Result<()> {
@@ -374,14 +492,11 @@ impl Store {
     }
 
     pub fn pinned(&self) -> Result<Vec<String>> {
-        let txn = self.db.begin_read()?;
-        let t = txn.open_table(PINS)?;
-        let mut out = Vec::new();
-        for row in t.iter()? {
-            let (k, v) = row?;
-            out.extend(decode::<Vec<String>>("pins", k.value(), v.value())?);
-        }
-        Ok(out)
+        Ok(self
+            .read_all::<Vec<String>>(PINS, "pins")?
+            .into_iter()
+            .flatten()
+            .collect())
     }
 }
 
@@ -401,6 +516,88 @@ mod tests {
             user: String::new(),
             pulled_at: 0,
         }
+    }
+
+    /// Writes raw bytes under `key` of `def`, as corruption or an older hako would have.
+    fn put_raw(s: &Store, def: TableDefinition<&str, &[u8]>, key: &str, raw: &[u8]) {
+        let txn = s.db.begin_write().unwrap();
+        txn.open_table(def).unwrap().insert(key, raw).unwrap();
+        txn.commit().unwrap();
+    }
+
+    #[test]
+    fn an_unreadable_record_is_quarantined_and_the_rest_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db")).unwrap();
+        s.put(
+            Table::Pods,
+            "good",
+            &serde_json::json!({"v": 1, "id": "good"}),
+        )
+        .unwrap();
+        put_raw(&s, PODS, "torn", b"{\"v\": 1, \"id\": \"to");
+        put_raw(&s, PODS, "wrong", b"{\"v\": \"one\"}");
+        let all: Vec<serde_json::Value> = s.all(Table::Pods).unwrap();
+        assert_eq!(all, vec![serde_json::json!({"v": 1, "id": "good"})]);
+        assert_eq!(s.quarantined().unwrap(), vec!["pods/torn", "pods/wrong"]);
+        // Gone from the table (kept aside), so the next read is clean.
+        assert_eq!(s.all::<serde_json::Value>(Table::Pods).unwrap().len(), 1);
+        put_raw(&s, IMAGES, "sha256:bad", b"\xff\xfe");
+        assert_eq!(s.image("sha256:bad").unwrap(), None);
+        put_raw(&s, SNAPSHOTS, "sha256:c", b"[]");
+        assert!(s.snapshots().unwrap().is_empty());
+        put_raw(&s, PINS, "ctr", b"{");
+        assert!(s.pinned().unwrap().is_empty());
+        assert_eq!(
+            s.quarantined().unwrap(),
+            vec![
+                "images/sha256:bad",
+                "pins/ctr",
+                "pods/torn",
+                "pods/wrong",
+                "snapshots/sha256:c"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_record_from_a_newer_hako_is_refused_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db")).unwrap();
+        put_raw(
+            &s,
+            CONTAINERS,
+            "c1",
+            br#"{"v": 2, "id": "c1", "new_field": true}"#,
+        );
+        let e = s.all::<serde_json::Value>(Table::Containers).unwrap_err();
+        assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+        let m = e.to_string();
+        assert!(
+            m.contains("containers record c1 has version 2") && m.contains("newer hako"),
+            "{m}"
+        );
+        assert!(
+            s.quarantined().unwrap().is_empty(),
+            "kept as it is, not quarantined"
+        );
+    }
+
+    #[test]
+    fn a_record_of_the_older_shape_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db")).unwrap();
+        // Version 0: no `v`, no `user`.
+        put_raw(
+            &s,
+            IMAGES,
+            "sha256:old",
+            br#"{"id": "sha256:old", "repo_tags": ["r:1"], "repo_digests": [], "manifest_digest": "sha256:m", "size": 3, "chain_ids": ["sha256:l"], "pulled_at": 7}"#,
+        );
+        let rec = s.image("sha256:old").unwrap().expect("readable");
+        assert_eq!(rec.v, RECORD_VERSION);
+        assert_eq!((rec.user.as_str(), rec.size, rec.pulled_at), ("", 3, 7));
+        assert_eq!(s.images().unwrap(), vec![rec]);
     }
 
     #[test]
