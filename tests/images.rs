@@ -128,19 +128,70 @@ async fn spawn_pull(
     })
 }
 
-async fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !cond() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+async fn wait_until(what: &str, cond: impl FnMut() -> bool) {
+    support::wait_for(what, Duration::from_secs(30), cond).await
 }
 
-fn proxy_hits(p: &Proxy) -> usize {
-    p.stalled.load(std::sync::atomic::Ordering::SeqCst)
+/// The verbose ImageStatus info (chain ids, snapshots, manifest digest, config).
+async fn verbose_info(h: &Hako, image: &str) -> serde_json::Value {
+    let mut c = h.images().await;
+    let v = c
+        .image_status(cri::ImageStatusRequest {
+            image: spec(image),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    serde_json::from_str(&v.info["info"]).unwrap()
+}
+
+fn hex(digest: &str) -> &str {
+    digest.trim_start_matches("sha256:")
+}
+
+/// Where hako keeps the unpacked layer `chain_id`.
+fn snapshot_fs(h: &Hako, chain_id: &str) -> std::path::PathBuf {
+    h.root.join("snapshots").join(hex(chain_id)).join("fs")
+}
+
+/// The chain ids of an image's layers, from the verbose status.
+async fn chain_ids_of(h: &Hako, image: &str) -> Vec<String> {
+    verbose_info(h, image).await["chainIDs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The OCI chain id of a layer stack, from its diff ids.
+fn chain_id(diff_ids: &[&str]) -> String {
+    use sha2::Digest;
+    let mut id = diff_ids[0].to_string();
+    for d in &diff_ids[1..] {
+        id = format!("sha256:{:x}", sha2::Sha256::digest(format!("{id} {d}")));
+    }
+    id
+}
+
+fn content_files(h: &Hako) -> Vec<String> {
+    Hako::files_under(&h.root.join("content/sha256"))
+}
+
+/// Unpacks in progress (or abandoned).
+fn tmp_unpacks(h: &Hako) -> Vec<String> {
+    snapshot_dirs(h)
+        .into_iter()
+        .filter(|d| d.starts_with("tmp-"))
+        .collect()
+}
+
+async fn remove(h: &Hako, image: &str) {
+    let mut c = h.images().await;
+    c.remove_image(cri::RemoveImageRequest { image: spec(image) })
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -350,11 +401,23 @@ async fn manifest_formats_compressions_and_platform_indexes() {
         ("fmt/zstd", &oci_zstd, "zstd"),
         ("fmt/plain", &oci_plain, "plain"),
     ] {
-        let id = pull(&h, &format!("{}/{repo}:v", reg.addr))
+        let name = format!("{}/{repo}:v", reg.addr);
+        let id = pull(&h, &name)
             .await
             .unwrap_or_else(|e| panic!("{repo}: {e}"));
         assert_eq!(id, img.id(), "{repo}");
-        let _ = content;
+        // Each compression unpacks to the same tree: the marker file of the top layer.
+        let chains = chain_ids_of(&h, &name).await;
+        let top = snapshot_fs(&h, chains.last().unwrap()).join("fmt");
+        assert_eq!(
+            std::fs::read(&top).unwrap_or_else(|e| panic!("{repo}: {}: {e}", top.display())),
+            content.as_bytes(),
+            "{repo}"
+        );
+        assert!(
+            snapshot_fs(&h, &chains[0]).join("bin/busybox").is_file(),
+            "{repo}: base layer"
+        );
     }
     let multi = format!("{}/fmt/multi:v", reg.addr);
     assert_eq!(
@@ -633,10 +696,15 @@ async fn bearer_challenge_identity_and_registry_tokens() {
         ..Default::default()
     };
     assert_eq!(pull_with(&h, &name, tok).await.unwrap(), img.id());
-    let _ = c
+    let listed = c
         .list_images(cri::ListImagesRequest::default())
         .await
-        .unwrap();
+        .unwrap()
+        .into_inner()
+        .images;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].id, img.id());
+    assert_eq!(listed[0].repo_tags, vec![name.clone()]);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -650,7 +718,6 @@ async fn stalled_pull_fails_with_deadline_exceeded_and_leaves_nothing() {
     })
     .await;
     let h = Hako::start("[image]\npull_progress_timeout_secs = 2\n");
-    let started = std::time::Instant::now();
     let err = pull(&h, &format!("{}/stall/img:1", proxy.addr))
         .await
         .unwrap_err();
@@ -660,7 +727,7 @@ async fn stalled_pull_fails_with_deadline_exceeded_and_leaves_nothing() {
         "{}",
         err.message()
     );
-    assert!(started.elapsed() < Duration::from_secs(60));
+    assert_eq!(proxy.stalled(), 1, "the stalled layer was requested");
     assert!(list(&h).await.is_empty());
     assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
     assert!(
@@ -683,7 +750,7 @@ async fn kill_9_mid_pull_then_restart_is_clean() {
     let mut h = Hako::start("");
     let pulling = spawn_pull(&h, format!("{}/crash/img:1", proxy.addr)).await;
     wait_until("the top layer mid-download and the base unpacked", || {
-        proxy_hits(&proxy) > 0 && !snapshot_dirs(&h).is_empty()
+        proxy.stalled() > 0 && !snapshot_dirs(&h).is_empty()
     })
     .await;
     h.kill9();
@@ -709,44 +776,95 @@ async fn kill_9_mid_pull_then_restart_is_clean() {
     );
 }
 
+/// A tar of one one-byte file whose name is written raw (up to 100 bytes), below the tar
+/// builder's own checks.
+fn raw_entry_tar(name: &str) -> Vec<u8> {
+    let mut evil = tar::Builder::new(Vec::new());
+    let mut hdr = tar::Header::new_old();
+    hdr.as_old_mut().name[..name.len()].copy_from_slice(name.as_bytes());
+    hdr.set_mode(0o644);
+    hdr.set_size(1);
+    hdr.set_cksum();
+    evil.append(&hdr, &b"x"[..]).unwrap();
+    evil.into_inner().unwrap()
+}
+
+/// `p` with `.` and `..` resolved as text (no symlinks followed), as a naive join would land.
+fn lexical(p: &std::path::Path) -> std::path::PathBuf {
+    use std::path::Component;
+    let mut out = std::path::PathBuf::from("/");
+    for c in p.components() {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(n) => out.push(n),
+            _ => {}
+        }
+    }
+    out
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn malicious_layer_is_rejected_and_cleaned_up() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
         return;
     }
     let reg = Registry::start();
-    // A tar whose entry climbs out with "..", written below the builder's checks.
-    let mut evil = tar::Builder::new(Vec::new());
-    let mut hdr = tar::Header::new_old();
-    let name = b"../../../../tmp/hako-evil";
-    hdr.as_old_mut().name[..name.len()].copy_from_slice(name);
-    hdr.set_mode(0o644);
-    hdr.set_size(1);
-    hdr.set_cksum();
-    evil.append(&hdr, &b"x"[..]).unwrap();
-    let evil = evil.into_inner().unwrap();
-    let img = Image::new(
-        vec![
-            Layer::new(base(), Compression::Gzip, false),
-            Layer::new(&evil, Compression::Gzip, false),
-        ],
-        &ImageConf::default(),
-        false,
-    );
-    Pusher::new(&reg.addr).push("evil/img", "1", &img).await;
     let h = Hako::start("");
-    let err = pull(&h, &format!("{}/evil/img:1", reg.addr))
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
-    assert!(
-        err.message().contains("evil/img") && err.message().contains("hako-evil"),
-        "{}",
-        err.message()
+    // hako unpacks a layer into <root>/snapshots/tmp-<id>/fs and renames that to
+    // <root>/snapshots/<chain id>/fs: four `..` from there climb to the test's temp dir.
+    let unpack_dir = h.root.join("snapshots").join("tmp-x").join("fs");
+    let near_entry = "../../../../escape/hako-evil";
+    let near = lexical(&unpack_dir.join(near_entry));
+    assert_eq!(near, h.dir.path().join("escape/hako-evil"));
+    // Its directory exists, so a write that followed the name would succeed.
+    std::fs::create_dir_all(near.parent().unwrap()).unwrap();
+    // A canary outside every root: from any depth, this many `..` reach `/`.
+    let canary = std::path::PathBuf::from(format!(
+        "/tmp/hako-evil-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos()
+    ));
+    let far_entry = format!(
+        "{}{}",
+        "../".repeat(20),
+        canary.strip_prefix("/").unwrap().display()
     );
-    assert!(!std::path::Path::new("/tmp/hako-evil").exists());
-    assert!(list(&h).await.is_empty());
-    assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
+    assert_eq!(lexical(&unpack_dir.join(&far_entry)), canary);
+    for (repo, entry, landing) in [
+        ("evil/near", near_entry.to_string(), near),
+        ("evil/far", far_entry, canary),
+    ] {
+        let img = Image::new(
+            vec![
+                Layer::new(base(), Compression::Gzip, false),
+                Layer::new(&raw_entry_tar(&entry), Compression::Gzip, false),
+            ],
+            &ImageConf::default(),
+            false,
+        );
+        Pusher::new(&reg.addr).push(repo, "1", &img).await;
+        let name = format!("{}/{repo}:1", reg.addr);
+        let err = pull(&h, &name).await.unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+        assert!(
+            err.message().contains(&name) && err.message().contains(&entry),
+            "{}",
+            err.message()
+        );
+        assert!(
+            !landing.exists(),
+            "{repo}: the entry was written at {}",
+            landing.display()
+        );
+        assert!(list(&h).await.is_empty());
+        assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
+        assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -774,8 +892,11 @@ async fn images_survive_restart_and_sigterm_exits_zero() {
     );
 }
 
+/// As containerd's CRI does: a pull records the image under its id, its repo tag and its repo
+/// digest, so when the tag moves to a new image the old one stays listed, untagged, under its
+/// repo digest (kubelet's image GC removes it when the disk needs the space).
 #[tokio::test(flavor = "multi_thread")]
-async fn retag_moves_the_name_and_collects_the_old_image() {
+async fn retag_moves_the_name_and_keeps_the_old_image_by_digest() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
         return;
     }
@@ -793,23 +914,30 @@ async fn retag_moves_the_name_and_collects_the_old_image() {
         false,
         &ImageConf::default(),
     );
-    p.push("re/img", "latest", &v1).await;
+    let d1 = p.push("re/img", "latest", &v1).await;
     let h = Hako::start("");
     let name = format!("{}/re/img:latest", reg.addr);
     assert_eq!(pull(&h, &name).await.unwrap(), v1.id());
-    p.push("re/img", "latest", &v2).await;
+    let v1_chains = chain_ids_of(&h, &name).await;
+    let d2 = p.push("re/img", "latest", &v2).await;
     assert_eq!(pull(&h, &name).await.unwrap(), v2.id());
     let imgs = list(&h).await;
-    // v1 keeps its repo digest, so it stays listed without a tag, as in containerd.
+    assert_eq!(imgs.len(), 2, "{imgs:?}");
     let old = imgs
         .iter()
         .find(|i| i.id == v1.id())
         .expect("old image kept by digest");
-    assert!(old.repo_tags.is_empty());
-    assert_eq!(
-        imgs.iter().find(|i| i.id == v2.id()).unwrap().repo_tags,
-        vec![name.clone()]
-    );
+    assert!(old.repo_tags.is_empty(), "{old:?}");
+    let old_digest = format!("{}/re/img@{d1}", reg.addr);
+    assert_eq!(old.repo_digests, vec![old_digest.clone()]);
+    let new = imgs.iter().find(|i| i.id == v2.id()).unwrap();
+    assert_eq!(new.repo_tags, vec![name.clone()]);
+    assert_eq!(new.repo_digests, vec![format!("{}/re/img@{d2}", reg.addr)]);
+    // The old image is whole: found by its repo digest, its layers on disk.
+    assert_eq!(status(&h, &old_digest).await.unwrap().id, v1.id());
+    for c in &v1_chains {
+        assert!(snapshot_fs(&h, c).is_dir(), "layer {c} of the old image");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -860,32 +988,45 @@ async fn sigterm_lets_an_in_flight_pull_finish() {
         return;
     }
     let (_reg, proxy, img, _top) = behind_proxy("slow/img", |top| Behaviour {
-        delay_blobs: vec![top.digest.clone()],
-        delay: Duration::from_secs(2),
+        gate_blobs: vec![top.digest.clone()],
         ..Default::default()
     })
     .await;
-    let mut h = Hako::start("");
+    let h = Hako::start("");
     let pulling = spawn_pull(&h, format!("{}/slow/img:1", proxy.addr)).await;
-    wait_until("the pull reaching the slow layer", || {
-        proxy_hits(&proxy) > 0
+    wait_until("the top layer's download held at the proxy", || {
+        proxy.held() == 1
     })
     .await;
-    let exit = tokio::task::spawn_blocking(move || {
-        let code = h.stop();
-        (code, h)
-    });
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(h.pid()),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    wait_until("the daemon draining its in-flight calls", || {
+        h.log_text()
+            .contains("shutting down: finishing in-flight calls")
+    })
+    .await;
+    assert!(!pulling.is_finished(), "the pull waits at the gate");
+    proxy.open();
     let pulled = pulling
         .await
         .unwrap()
         .expect("the in-flight pull completes");
     assert_eq!(pulled.into_inner().image_ref, img.id());
-    let (code, mut h) = exit.await.unwrap();
+    let (code, mut h) = tokio::task::spawn_blocking(move || {
+        let mut h = h;
+        (h.stop(), h)
+    })
+    .await
+    .unwrap();
     assert!(code.success(), "{code}");
     h.restart();
+    let listed = list(&h).await;
     assert_eq!(
-        list(&h).await.len(),
-        1,
+        listed.iter().map(|i| i.id.clone()).collect::<Vec<_>>(),
+        vec![img.id()],
         "the finished pull was recorded before exit"
     );
 }
@@ -951,4 +1092,376 @@ async fn registry_denial_is_permission_denied_naming_the_registry() {
         "{}",
         err.message()
     );
+}
+
+/// Layers a container runs on are pinned: RemoveImage, and the GC after it or after a failed
+/// pull, keep them; removing the container releases them.
+#[tokio::test(flavor = "multi_thread")]
+async fn layers_in_use_by_a_container_survive_remove_and_gc() {
+    let Some((reg, h)) = support::cri::ready().await else {
+        return;
+    };
+    use support::cri::{self as c, IMAGE};
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = c::pod_config("pinned", logs.path());
+    let pod = c::run_pod(&mut rt, &cfg).await;
+    let ctr = c::run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        c::container_config("c", &["sleep", "3600"]),
+    )
+    .await;
+    let info = verbose_info(&h, IMAGE).await;
+    let chains: Vec<String> = info["chainIDs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c.as_str().unwrap().to_string())
+        .collect();
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            h.root
+                .join("content/sha256")
+                .join(hex(info["manifestDigest"].as_str().unwrap())),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let layer = manifest["layers"][0]["digest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let layer_gets = || reg.count_requests(&format!("/blobs/{layer}"));
+    assert_eq!(layer_gets(), 1);
+
+    remove(&h, IMAGE).await;
+    assert_eq!(status(&h, IMAGE).await, None, "the image itself is gone");
+    // A failed pull collects garbage too.
+    let err = pull(&h, &format!("{}/no/such:1", reg.addr))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    for chain in &chains {
+        assert!(
+            snapshot_fs(&h, chain).join("bin").is_dir(),
+            "layer {chain} of a running container was collected"
+        );
+    }
+    assert_eq!(
+        c::exec(&mut rt, &ctr, "echo alive").await,
+        "alive",
+        "the container still runs on its layers"
+    );
+
+    rt.stop_container(cri::StopContainerRequest {
+        container_id: ctr.clone(),
+        timeout: 0,
+    })
+    .await
+    .unwrap();
+    rt.remove_container(cri::RemoveContainerRequest {
+        container_id: ctr.clone(),
+    })
+    .await
+    .unwrap();
+    c::remove_pod(&mut rt, &pod).await;
+    // Pulled again before any GC: the kept layer is reused, not downloaded.
+    pull(&h, IMAGE).await.unwrap();
+    assert_eq!(layer_gets(), 1, "the layer is downloaded once");
+    // Unpinned now: removing the image takes its layers.
+    remove(&h, IMAGE).await;
+    for chain in &chains {
+        assert!(!snapshot_fs(&h, chain).exists(), "layer {chain} left");
+    }
+    assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
+}
+
+/// A GC that runs while a pull is under way (here: RemoveImage of another image) keeps what
+/// the pull has finished and what it is still fetching.
+#[tokio::test(flavor = "multi_thread")]
+async fn gc_during_a_pull_keeps_the_pulls_layers() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let (reg, proxy, img, top) = behind_proxy("race/img", |top| Behaviour {
+        gate_blobs: vec![top.digest.clone()],
+        ..Default::default()
+    })
+    .await;
+    let other = Image::new(
+        vec![Layer::new(
+            &oci::marker_tar("other", b"o"),
+            Compression::Gzip,
+            false,
+        )],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("other/img", "1", &other).await;
+    let h = Hako::start("");
+    let other_name = format!("{}/other/img:1", reg.addr);
+    pull(&h, &other_name).await.unwrap();
+    let other_chain = other.layers[0].diff_id.clone();
+    assert!(snapshot_fs(&h, &other_chain).is_dir());
+
+    let base_chain = img.layers[0].diff_id.clone();
+    let top_chain = chain_id(&[&base_chain, &top.diff_id]);
+    let pulling = spawn_pull(&h, format!("{}/race/img:1", proxy.addr)).await;
+    wait_until("the base unpacked and the top layer held", || {
+        proxy.held() == 1 && snapshot_fs(&h, &base_chain).join("bin/busybox").is_file()
+    })
+    .await;
+    remove(&h, &other_name).await;
+    assert!(
+        !snapshot_fs(&h, &other_chain).exists(),
+        "the GC ran: the removed image's layer is gone"
+    );
+    assert!(
+        snapshot_fs(&h, &base_chain).join("bin/busybox").is_file(),
+        "the GC took the base layer of the pull in progress"
+    );
+    proxy.open();
+    let id = pulling.await.unwrap().unwrap().into_inner().image_ref;
+    assert_eq!(id, img.id());
+    assert_eq!(
+        chain_ids_of(&h, &id).await,
+        vec![base_chain.clone(), top_chain.clone()]
+    );
+    assert!(snapshot_fs(&h, &base_chain).join("bin/busybox").is_file());
+    assert!(snapshot_fs(&h, &top_chain).join("race/img").is_file());
+    assert!(tmp_unpacks(&h).is_empty(), "{:?}", tmp_unpacks(&h));
+    assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
+}
+
+/// A layer's work runs to completion after the PullImage caller gives up: the layer lands,
+/// nothing half-done is left, and the caller's retry reuses it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancelled_pull_still_lands_its_layer_for_the_retry() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let (_reg, proxy, img, top) = behind_proxy("cancel/img", |top| Behaviour {
+        gate_blobs: vec![top.digest.clone()],
+        ..Default::default()
+    })
+    .await;
+    let h = Hako::start("");
+    let name = format!("{}/cancel/img:1", proxy.addr);
+    let top_chain = chain_id(&[&img.layers[0].diff_id, &top.diff_id]);
+    let pulling = spawn_pull(&h, name.clone()).await;
+    wait_until("the top layer's download held at the proxy", || {
+        proxy.held() == 1
+    })
+    .await;
+    // The caller goes away (its connection with it), as kubelet's does at its deadline.
+    pulling.abort();
+    assert!(pulling.await.unwrap_err().is_cancelled());
+    proxy.open();
+    wait_until("the abandoned pull's top layer landing", || {
+        snapshot_fs(&h, &top_chain).join("cancel/img").is_file()
+            && tmp_unpacks(&h).is_empty()
+            && ingest_files(&h).is_empty()
+    })
+    .await;
+    assert!(
+        list(&h).await.is_empty(),
+        "the cancelled pull recorded no image"
+    );
+    assert_eq!(pull(&h, &name).await.unwrap(), img.id());
+    assert_eq!(
+        proxy.count(&format!("/blobs/{}", top.digest)),
+        1,
+        "the retry reused the landed layer"
+    );
+    assert_eq!(
+        h.log_text().matches("pulled image").count(),
+        1,
+        "only the retry finished a pull"
+    );
+    assert!(tmp_unpacks(&h).is_empty(), "{:?}", tmp_unpacks(&h));
+    assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
+}
+
+/// `image.max_concurrent_downloads` bounds the layers one pull downloads at once, and the
+/// pull does use that many.
+#[tokio::test(flavor = "multi_thread")]
+async fn max_concurrent_downloads_is_honoured() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let mut layers = vec![Layer::new(base(), Compression::Gzip, false)];
+    for i in 0..3 {
+        layers.push(Layer::new(
+            &oci::marker_tar(&format!("m{i}"), b"m"),
+            Compression::Gzip,
+            false,
+        ));
+    }
+    let img = Image::new(layers, &ImageConf::default(), false);
+    Pusher::new(&reg.addr).push("many/img", "1", &img).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            gate_blobs: img.layers.iter().map(|l| l.digest.clone()).collect(),
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = Hako::start("[image]\nmax_concurrent_downloads = 2\n");
+    let pulling = spawn_pull(&h, format!("{}/many/img:1", proxy.addr)).await;
+    // The gate lets one download finish at a time; the next may start only then.
+    for left in (1..=img.layers.len()).rev() {
+        let expect = left.min(2);
+        wait_until(&format!("{expect} downloads held"), || {
+            proxy.held() >= expect
+        })
+        .await;
+        proxy.release(1);
+    }
+    let id = pulling.await.unwrap().unwrap().into_inner().image_ref;
+    assert_eq!(id, img.id());
+    assert_eq!(proxy.max_held(), 2, "downloads at once");
+    for l in &img.layers {
+        assert_eq!(proxy.count(&format!("/blobs/{}", l.digest)), 1);
+    }
+}
+
+/// At start, a snapshot record whose directory is gone is dropped, and so is every image
+/// using it, loudly; what is left of them is collected.
+#[tokio::test(flavor = "multi_thread")]
+async fn images_whose_snapshot_is_missing_are_dropped_at_start() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = busybox_image(
+        Some(("gone", b"g")),
+        Compression::Gzip,
+        false,
+        &ImageConf::default(),
+    );
+    Pusher::new(&reg.addr).push("gone/img", "1", &img).await;
+    let mut h = Hako::start("");
+    let name = format!("{}/gone/img:1", reg.addr);
+    pull(&h, &name).await.unwrap();
+    let chains = chain_ids_of(&h, &name).await;
+    assert!(h.stop().success());
+    std::fs::remove_dir_all(h.root.join("snapshots").join(hex(&chains[1]))).unwrap();
+    h.restart();
+    assert!(list(&h).await.is_empty(), "{:?}", list(&h).await);
+    assert_eq!(status(&h, &name).await, None);
+    let log = h.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("snapshot directory missing") && l.contains(&chains[1])),
+        "{log}"
+    );
+    assert!(
+        log.lines()
+            .any(|l| l.contains("image incomplete on disk") && l.contains(&img.id())),
+        "{log}"
+    );
+    assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
+    assert!(content_files(&h).is_empty(), "{:?}", content_files(&h));
+    // And it can be pulled again.
+    assert_eq!(pull(&h, &name).await.unwrap(), img.id());
+}
+
+/// Through real HTTP: credentials go to the registry's server, and to a mirror only when the
+/// request names that mirror; hosts.toml `header`s go to their own host, every request.
+#[tokio::test(flavor = "multi_thread")]
+async fn credentials_stay_off_unnamed_mirrors_and_hosts_headers_are_sent() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let img = busybox_image(None, Compression::Gzip, false, &ImageConf::default());
+    Pusher::new(&reg.addr).push("priv/img", "1", &img).await;
+    let creds = ("alice".to_string(), "s3cret".to_string());
+    let bearer = || Behaviour {
+        bearer: Some(creds.clone()),
+        ..Default::default()
+    };
+    let mirror = Proxy::start(&reg.addr, bearer()).await;
+    let server = Proxy::start(&reg.addr, bearer()).await;
+    let h = Hako::start("");
+    h.hosts_toml(
+        "registry.example",
+        &format!(
+            "server = \"http://{}\"\n[header]\n  x-hako-server = \"s1\"\n\n[host.\"http://{}\"]\n  capabilities = [\"pull\", \"resolve\"]\n  [host.\"http://{}\".header]\n    x-hako-test = \"mirror-1\"\n    x-hako-multi = [\"a\", \"b\"]\n",
+            server.addr, mirror.addr, mirror.addr
+        ),
+    );
+    let name = "registry.example/priv/img:1";
+    let auth = |server_address: &str| cri::AuthConfig {
+        username: creds.0.clone(),
+        password: creds.1.clone(),
+        server_address: server_address.into(),
+        ..Default::default()
+    };
+    use base64::Engine;
+    let secret = base64::engine::general_purpose::STANDARD.encode("alice:s3cret");
+
+    // Credentials for the server: the mirror is tried anonymously (and refuses), the server
+    // gets them.
+    assert_eq!(
+        pull_with(&h, name, auth(&format!("http://{}", server.addr)))
+            .await
+            .unwrap(),
+        img.id()
+    );
+    let to_mirror = mirror.seen("");
+    assert!(
+        to_mirror.iter().any(|r| r.path.starts_with("/token")),
+        "the mirror was tried and challenged: {to_mirror:?}"
+    );
+    for r in &to_mirror {
+        assert_eq!(
+            r.header("authorization"),
+            None,
+            "credentials reached the mirror: {r:?}"
+        );
+        assert!(!format!("{r:?}").contains(&secret), "{r:?}");
+    }
+    let token_requests = server.seen("GET /token");
+    assert!(
+        token_requests
+            .iter()
+            .any(|r| r.header("authorization") == Some(&format!("Basic {secret}"))),
+        "the server's realm got the credentials: {token_requests:?}"
+    );
+    // Headers: each host its own, on every request (token requests included).
+    for r in &to_mirror {
+        assert_eq!(r.header("x-hako-test"), Some("mirror-1"), "{r:?}");
+        assert_eq!(r.headers_named("x-hako-multi"), vec!["a", "b"], "{r:?}");
+        assert_eq!(r.header("x-hako-server"), None, "{r:?}");
+    }
+    let to_server = server.seen("");
+    assert!(to_server.iter().any(|r| r.path.contains("/blobs/")));
+    for r in &to_server {
+        assert_eq!(r.header("x-hako-server"), Some("s1"), "{r:?}");
+        assert_eq!(r.header("x-hako-test"), None, "{r:?}");
+    }
+
+    // Credentials that name the mirror go to the mirror, which then serves the pull.
+    remove(&h, name).await;
+    let before = server.seen("").len();
+    assert_eq!(
+        pull_with(&h, name, auth(&format!("http://{}", mirror.addr)))
+            .await
+            .unwrap(),
+        img.id()
+    );
+    assert!(
+        mirror
+            .seen("GET /token")
+            .iter()
+            .any(|r| r.header("authorization") == Some(&format!("Basic {secret}"))),
+        "{:?}",
+        mirror.seen("")
+    );
+    assert_eq!(server.seen("").len(), before, "the mirror served the pull");
 }

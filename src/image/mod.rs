@@ -37,10 +37,15 @@ pub struct Name {
 
 impl Name {
     pub fn parse(s: &str) -> Result<Name> {
-        let r: oci_client::Reference = s
+        let r: oci_spec::distribution::Reference = s
             .parse()
             .map_err(|e| Error::InvalidArgument(format!("invalid image reference {s:?}: {e}")))?;
         let digest = r.digest().map(str::to_string);
+        if let Some(d) = &digest {
+            check_digest(d).map_err(|why| {
+                Error::InvalidArgument(format!("invalid image reference {s:?}: digest {why}"))
+            })?;
+        }
         Ok(Name {
             registry: r.registry().to_string(),
             repository: r.repository().to_string(),
@@ -166,6 +171,47 @@ fn hex_of(digest: &str) -> &str {
     digest.strip_prefix("sha256:").unwrap_or(digest)
 }
 
+/// Whether `d` is a digest the store can address: `sha256:` and 64 lowercase hex digits (the
+/// OCI form of SHA-256; the store is laid out by SHA-256 only). Digests from a registry (in
+/// descriptors, in a config's `diff_ids`, in references) become file names, map keys and
+/// slices, so every one passes here before any use. Err says what is wrong.
+pub fn check_digest(d: &str) -> std::result::Result<(), String> {
+    let Some((algorithm, encoded)) = d.split_once(':') else {
+        return Err("has no algorithm (expected sha256:<64 hex digits>)".into());
+    };
+    if algorithm != "sha256" {
+        return Err(format!(
+            "uses algorithm {}; only sha256 is supported",
+            shown(algorithm)
+        ));
+    }
+    if encoded.len() != 64
+        || !encoded
+            .bytes()
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    {
+        return Err("is not sha256: and 64 lowercase hex digits".into());
+    }
+    Ok(())
+}
+
+/// `check_digest`, as an error naming the object and the field the digest came from (the
+/// pull adds the image).
+pub(crate) fn valid_digest(object: &str, field: &str, d: &str) -> Result<()> {
+    check_digest(d)
+        .map_err(|why| Error::InvalidArgument(format!("{object}: {field} {} {why}", shown(d))))
+}
+
+/// An untrusted string for a message: quoted and escaped (control and non-ASCII characters
+/// cannot garble a log line), and cut to a readable length.
+pub(crate) fn shown(s: &str) -> String {
+    const MAX: usize = 80;
+    match s.char_indices().nth(MAX) {
+        Some((end, _)) => format!("{:?}…", &s[..end]),
+        None => format!("{s:?}"),
+    }
+}
+
 impl Images {
     /// Opens the image store under `root` and reconciles it with the disk.
     pub async fn open(
@@ -174,8 +220,6 @@ impl Images {
         hosts_dir: PathBuf,
         config: ImageConfig,
     ) -> Result<Images> {
-        // The registry client's TLS needs a process-wide crypto provider; ring is the one built.
-        let _ = rustls::crypto::ring::default_provider().install_default();
         let content_dir = root.join("content").join("sha256");
         let snapshots_dir = root.join("snapshots");
         let ingest_dir = root.join("ingest");
@@ -495,6 +539,66 @@ mod tests {
         );
         let err = Name::parse("BusyBox:1").unwrap_err().to_string();
         assert!(err.contains("BusyBox:1"), "{err}");
+        // Digests in references: sha256 in lowercase hex only.
+        let upper = format!("quay.io/x/y@sha256:{}", "A".repeat(64));
+        let err = Name::parse(&upper).unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument(ref m) if m.contains(&upper) && m.contains("lowercase hex")),
+            "{err}"
+        );
+        let sha512 = format!("quay.io/x/y@sha512:{}", "a".repeat(128));
+        assert!(Name::parse(&sha512)
+            .unwrap_err()
+            .to_string()
+            .contains("only sha256"));
+    }
+
+    #[test]
+    fn digests_are_validated_before_any_use() {
+        let good = format!("sha256:{}", "0123456789abcdef".repeat(4));
+        assert_eq!(check_digest(&good), Ok(()));
+        for bad in [
+            String::new(),
+            "sha256".to_string(),
+            "sha256:".to_string(),
+            format!("sha256:{}", "a".repeat(63)),
+            format!("sha256:{}", "a".repeat(65)),
+            format!("sha256:{}", "A".repeat(64)),
+            format!("sha256:{}g", "a".repeat(63)),
+            format!("sha512:{}", "a".repeat(128)),
+            format!("SHA256:{}", "a".repeat(64)),
+            format!(" sha256:{}", "a".repeat(64)),
+            format!("sha256:{}\n", "a".repeat(63)),
+            // Non-ASCII: 64 characters, more bytes; a byte slice of it would panic.
+            format!("sha256:{}", "é".repeat(64)),
+            format!("sha256:{}", "a".repeat(63) + "é"),
+            "sha256:../../../../etc/passwd".to_string(),
+            format!("sha256:{}/..", "a".repeat(61)),
+            format!("sha256:{}\0", "a".repeat(63)),
+        ] {
+            assert!(check_digest(&bad).is_err(), "{bad:?} accepted");
+        }
+        let err = valid_digest(
+            "config x",
+            "diff_ids[1]",
+            &format!("sha256:{}", "é".repeat(64)),
+        )
+        .unwrap_err();
+        match err {
+            Error::InvalidArgument(m) => {
+                assert!(m.starts_with("config x: diff_ids[1] \"sha256:"), "{m}");
+                assert!(m.contains("64 lowercase hex digits"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn untrusted_strings_are_quoted_and_cut() {
+        assert_eq!(shown("a\nb"), "\"a\\nb\"");
+        let long = "é".repeat(200);
+        let s = shown(&long);
+        assert!(s.ends_with('…') && s.chars().count() < 90, "{s}");
     }
 
     #[test]

@@ -23,7 +23,7 @@ use tokio::io::AsyncWrite;
 
 use super::hosts::{self, Endpoint};
 use super::registry::{Credentials, Source};
-use super::{hex_of, Images, Name};
+use super::{hex_of, valid_digest, Images, Name};
 use crate::error::{chain, Error, Result};
 use crate::store::{ImageRecord, SnapshotRecord, RECORD_VERSION};
 
@@ -151,8 +151,8 @@ fn node_arch() -> &'static str {
 }
 
 /// Picks the manifest for linux/<node arch> from an index (amd64 has no variants to weigh;
-/// for arm64, `v8` or no variant).
-fn select_platform(index: &ImageIndex, image: &str) -> Result<(String, i64)> {
+/// for arm64, `v8` or no variant): its digest, checked, and its size.
+fn select_platform(index: &ImageIndex, image: &str, index_digest: &str) -> Result<(String, u64)> {
     let arch = node_arch();
     let mut best: Option<&oci_spec::image::Descriptor> = None;
     for m in index.manifests() {
@@ -168,12 +168,18 @@ fn select_platform(index: &ImageIndex, image: &str) -> Result<(String, i64)> {
             best = Some(m);
         }
     }
-    best.map(|m| (m.digest().to_string(), m.size() as i64))
-        .ok_or_else(|| {
-            Error::NotFound(format!(
-                "image {image} has no manifest for platform linux/{arch}"
-            ))
-        })
+    let best = best.ok_or_else(|| {
+        Error::NotFound(format!(
+            "image {image} has no manifest for platform linux/{arch}"
+        ))
+    })?;
+    let digest = best.digest().to_string();
+    valid_digest(
+        &format!("image index {index_digest}"),
+        &format!("manifest for linux/{arch}"),
+        &digest,
+    )?;
+    Ok((digest, best.size()))
 }
 
 struct Resolved {
@@ -181,7 +187,7 @@ struct Resolved {
     /// Digest of what the name resolved to (index or manifest): the repo digest.
     top_digest: String,
     manifest: ImageManifest,
-    manifest_bytes: bytes::Bytes,
+    manifest_bytes: Vec<u8>,
     manifest_digest: String,
 }
 
@@ -221,32 +227,40 @@ impl Images {
         let source = resolved.source.clone();
         let limit = Duration::from_secs(self.inner.config.pull_progress_timeout_secs);
 
+        // Every digest the registry gave is checked before it names a file, a lease or a task.
+        let in_manifest = format!("manifest {}", resolved.manifest_digest);
         let config_desc = manifest.config();
         let config_digest = config_desc.digest().to_string();
+        valid_digest(&in_manifest, "config digest", &config_digest)?;
+        let layers = manifest.layers();
+        for (i, l) in layers.iter().enumerate() {
+            valid_digest(
+                &in_manifest,
+                &format!("layers[{i}] digest"),
+                l.digest().as_ref(),
+            )?;
+        }
         lease.add([config_digest.clone(), resolved.manifest_digest.clone()]);
         let config_bytes = {
             let progress = Progress::new();
-            let mut buf = Vec::new();
-            let reference = source.at_digest(&resolved.manifest_digest);
             until_stalled(
-                source.blob(
-                    &reference,
-                    &config_digest,
-                    config_desc.size() as i64,
-                    config_desc.media_type().as_ref(),
-                    &mut buf,
-                ),
+                source.config(&config_digest, config_desc.size()),
                 &progress,
                 limit,
                 || format!("fetch config {config_digest}"),
             )
-            .await?;
-            buf
+            .await?
         };
         let config: ImageConfiguration = serde_json::from_slice(&config_bytes)
             .map_err(|e| Error::InvalidArgument(format!("image config {config_digest}: {e}")))?;
         let diff_ids: Vec<String> = config.rootfs().diff_ids().to_vec();
-        let layers = manifest.layers();
+        for (i, d) in diff_ids.iter().enumerate() {
+            valid_digest(
+                &format!("image config {config_digest}"),
+                &format!("rootfs.diff_ids[{i}]"),
+                d,
+            )?;
+        }
         if diff_ids.len() != layers.len() {
             return Err(Error::InvalidArgument(format!(
                 "image config {config_digest} lists {} layers, the manifest {}",
@@ -272,10 +286,8 @@ impl Images {
             let job = LayerJob {
                 images: self.clone(),
                 source: source.clone(),
-                manifest_digest: resolved.manifest_digest.clone(),
                 digest: l.digest().to_string(),
-                size: l.size() as i64,
-                media_type: l.media_type().to_string(),
+                size: l.size(),
                 chain_id: chains[i].clone(),
                 diff_id: diff_ids[i].clone(),
                 lowers: chains[..i].iter().rev().cloned().collect(),
@@ -375,8 +387,8 @@ impl Images {
         name: &Name,
         creds: &Credentials,
     ) -> Result<Resolved> {
-        let source = Arc::new(self.inner.clients.source(ep, name, creds).await?);
-        let (bytes, top_digest) = source.manifest(&source.reference, ACCEPT).await?;
+        let source = Arc::new(self.inner.clients.source(ep, name, creds)?);
+        let (bytes, top_digest) = source.manifest(&source.reference, ACCEPT, None).await?;
         let v: serde_json::Value = serde_json::from_slice(&bytes)
             .map_err(|e| Error::InvalidArgument(format!("manifest {top_digest}: {e}")))?;
         if v.get("schemaVersion").and_then(|s| s.as_i64()) == Some(1) {
@@ -391,10 +403,13 @@ impl Images {
         let (manifest_bytes, manifest_digest) = if is_index {
             let index: ImageIndex = serde_json::from_slice(&bytes)
                 .map_err(|e| Error::InvalidArgument(format!("image index {top_digest}: {e}")))?;
-            let (digest, _) = select_platform(&index, &name.canonical())?;
-            let reference = source.at_digest(&digest);
+            let (digest, size) = select_platform(&index, &name.canonical(), &top_digest)?;
             source
-                .manifest(&reference, &[MEDIA_OCI_MANIFEST, MEDIA_DOCKER_MANIFEST])
+                .manifest(
+                    &digest,
+                    &[MEDIA_OCI_MANIFEST, MEDIA_DOCKER_MANIFEST],
+                    Some(size),
+                )
                 .await?
         } else {
             (bytes, top_digest.clone())
@@ -455,10 +470,8 @@ fn duplicate(e: &Error) -> Error {
 struct LayerJob {
     images: Images,
     source: Arc<Source>,
-    manifest_digest: String,
     digest: String,
-    size: i64,
-    media_type: String,
+    size: u64,
     chain_id: String,
     diff_id: String,
     /// Chain ids of the layers below, topmost first.
@@ -510,19 +523,13 @@ impl LayerJob {
                 .await
                 .map_err(|e| Error::io("create", &ingest, e))?;
             let progress = Progress::new();
-            let reference = self.source.at_digest(&self.manifest_digest);
             let mut writer = ProgressWriter {
                 inner: tokio::io::BufWriter::with_capacity(256 * 1024, file),
                 progress: progress.clone(),
             };
             until_stalled(
-                self.source.blob(
-                    &reference,
-                    &self.digest,
-                    self.size,
-                    &self.media_type,
-                    &mut writer,
-                ),
+                self.source
+                    .blob("layer", &self.digest, self.size, &mut writer),
                 &progress,
                 limit,
                 || format!("download layer {}", self.digest),
@@ -537,7 +544,8 @@ impl LayerJob {
         let final_dir = self.images.snapshot_dir(&self.chain_id);
         let tmp = inner.snapshots_dir.join(format!(
             "tmp-{}-{}",
-            &hex_of(&self.chain_id)[..12.min(hex_of(&self.chain_id).len())],
+            // Chain ids are checked digests; `get` keeps a bad one from panicking regardless.
+            hex_of(&self.chain_id).get(..12).unwrap_or("layer"),
             unique()
         ));
         let mut tmp_cleanup = Cleanup(Some(tmp.clone()));
