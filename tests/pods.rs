@@ -1177,3 +1177,52 @@ async fn concurrent_creates_of_one_name_wait_for_the_first_and_return_its_object
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// A monitor that stops answering (here: SIGSTOPped) costs its callers a bounded wait and a
+/// DEADLINE_EXCEEDED naming it, not a hang; once it answers again, so does the pod.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stuck_monitor_fails_calls_with_deadline_exceeded_instead_of_hanging() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("stuck", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("c", &["sleep", "300"]),
+    )
+    .await;
+    let info = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: true,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .info;
+    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
+    let monitor = nix::unistd::Pid::from_raw(v["monitorPid"].as_i64().unwrap() as i32);
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let e = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: id.clone(),
+            cmd: vec!["true".into()],
+            timeout: 1,
+        })
+        .await;
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let e = e.expect_err("a stopped monitor cannot answer");
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    assert!(
+        e.message().contains("did not answer") && e.message().contains(&pod),
+        "{e:?}"
+    );
+    assert_eq!(exec(&mut rt, &id, "echo back").await, "back");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

@@ -94,6 +94,12 @@ pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
     }
 }
 
+/// How long a quick call (info, state, signal, delete, reopen) may take before the monitor
+/// counts as stuck.
+const CALL_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a create or start may take: libcontainer's work, slow on a loaded node.
+const SLOW_CALL_DEADLINE: Duration = Duration::from_secs(60);
+
 /// Calls a pod's monitor: one unix-socket connection per call (see `wire`).
 #[derive(Clone)]
 pub struct MonitorClient {
@@ -119,6 +125,39 @@ impl MonitorClient {
     }
 
     async fn call<Q: prost::Message, R: prost::Message + Default>(
+        &self,
+        method: Method,
+        req: &Q,
+        what: &str,
+    ) -> Result<R> {
+        self.call_within(method, req, what, Some(CALL_DEADLINE))
+            .await
+    }
+
+    /// A call that fails with DEADLINE_EXCEEDED when the monitor has not answered within
+    /// `deadline` (`None`: as long as it takes, for an exec without a timeout). A stuck
+    /// monitor then costs its caller a bounded wait, not a hang.
+    async fn call_within<Q: prost::Message, R: prost::Message + Default>(
+        &self,
+        method: Method,
+        req: &Q,
+        what: &str,
+        deadline: Option<Duration>,
+    ) -> Result<R> {
+        let call = self.call_unbounded(method, req, what);
+        match deadline {
+            None => call.await,
+            Some(d) => tokio::time::timeout(d, call).await.unwrap_or_else(|_| {
+                Err(Error::DeadlineExceeded(format!(
+                    "{what}: pod monitor at {} did not answer {method:?} within {} s",
+                    self.socket.display(),
+                    d.as_secs()
+                )))
+            }),
+        }
+    }
+
+    async fn call_unbounded<Q: prost::Message, R: prost::Message + Default>(
         &self,
         method: Method,
         req: &Q,
@@ -166,16 +205,23 @@ impl MonitorClient {
             stdin_once,
             tty,
         };
-        let r: pb::CreateContainerResponse =
-            self.call(Method::CreateContainer, &req, "monitor").await?;
+        let r: pb::CreateContainerResponse = self
+            .call_within(
+                Method::CreateContainer,
+                &req,
+                "monitor",
+                Some(SLOW_CALL_DEADLINE),
+            )
+            .await?;
         Ok(r.pid)
     }
 
     pub async fn start(&self, id: &str) -> Result<pb::ContainerState> {
-        self.call(
+        self.call_within(
             Method::StartContainer,
             &pb::ContainerRef { id: id.into() },
             "monitor",
+            Some(SLOW_CALL_DEADLINE),
         )
         .await
     }
@@ -204,7 +250,10 @@ impl MonitorClient {
             id: id.into(),
             timeout_ms,
         };
-        self.call(Method::Wait, &req, "monitor").await
+        let deadline =
+            (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms as u64) + CALL_DEADLINE);
+        self.call_within(Method::Wait, &req, "monitor", deadline)
+            .await
     }
 
     pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
@@ -227,7 +276,11 @@ impl MonitorClient {
             cmd,
             timeout_ms,
         };
-        self.call(Method::ExecSync, &req, "monitor").await
+        // The monitor enforces the exec's own timeout; this bounds a monitor that is stuck.
+        let deadline =
+            (timeout_ms > 0).then(|| Duration::from_millis(timeout_ms as u64) + CALL_DEADLINE);
+        self.call_within(Method::ExecSync, &req, "monitor", deadline)
+            .await
     }
 
     pub async fn reopen_log(&self, id: &str) -> Result<()> {
