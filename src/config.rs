@@ -41,6 +41,10 @@ pub struct ImageConfig {
     pub pull_progress_timeout_secs: u64,
     /// Layers of one image downloaded at the same time.
     pub max_concurrent_downloads: usize,
+    /// Bound on one layer's uncompressed size and on the bytes its unpack writes; 0 = none.
+    pub max_layer_unpacked_bytes: u64,
+    /// Bound on the files, directories and links one layer's unpack creates; 0 = none.
+    pub max_layer_entries: u64,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -111,6 +115,10 @@ impl Default for ImageConfig {
         ImageConfig {
             pull_progress_timeout_secs: 300,
             max_concurrent_downloads: 3,
+            // Out of the way of very large real layers (ML and CUDA images), and a bound on
+            // what a decompression bomb can write before it fails.
+            max_layer_unpacked_bytes: 64 << 30,
+            max_layer_entries: 4 << 20,
         }
     }
 }

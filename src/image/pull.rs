@@ -557,12 +557,16 @@ impl LayerJob {
         let fs_dir = tmp.join("fs");
         let diff_id = self.diff_id.clone();
         let digest = self.digest.clone();
+        let limits = super::unpack::Limits {
+            max_bytes: inner.config.max_layer_unpacked_bytes,
+            max_entries: inner.config.max_layer_entries,
+        };
         let started = Instant::now();
         let unpacked = tokio::task::spawn_blocking(move || -> Result<super::unpack::Unpacked> {
             std::fs::create_dir_all(&fs_dir)
                 .map_err(|e| Error::io("create directory", &fs_dir, e))?;
             let f = std::fs::File::open(&ingest).map_err(|e| Error::io("open", &ingest, e))?;
-            super::unpack::unpack_layer(f, &fs_dir, &lowers, &diff_id).map_err(|e| {
+            super::unpack::unpack_layer(f, &fs_dir, &lowers, &diff_id, limits).map_err(|e| {
                 Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e)))
             })
         })

@@ -8,28 +8,64 @@
 //! Paths are resolved in the *merged* view of this layer over the layers below it, the way the
 //! kernel will see them once mounted: a symlink in a lower layer (`/lib -> usr/lib`) is followed,
 //! so `lib/x` lands in `usr/lib/x` of this layer. Resolution never leaves the layer's root:
-//! symlink targets are interpreted inside it (chroot semantics), `..` stops at the root, and
-//! every directory we descend into has been checked with `lstat` to be a real directory of the
-//! new layer, so no write can follow a link out. An entry whose own name climbs out with `..`
-//! is rejected.
+//! symlink targets are interpreted inside it (chroot semantics), `..` stops at the root, and an
+//! entry whose own name climbs out with `..` is rejected.
+//!
+//! The kernel never resolves a path taken from a layer: every lookup, in this layer or in a
+//! lower one, walks one component at a time from an open directory with `O_NOFOLLOW` (the `at`
+//! module), so a lower layer's `a -> /etc` is data to interpret, never a way onto the host. A
+//! lookup in one layer follows no symlink at all; only the merged-view resolution above does,
+//! inside the root.
+//!
+//! A layer is bounded while it streams: its uncompressed size and the bytes it writes
+//! (`image.max_layer_unpacked_bytes`), the files, directories and links it creates
+//! (`image.max_layer_entries`), and the header bytes of one entry (pax records, long names),
+//! which the tar reader holds in memory.
 
+mod at;
+
+use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
-use std::ffi::OsString;
-use std::fs::{self, File, OpenOptions};
+use std::ffi::{OsStr, OsString};
+use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
+use std::rc::Rc;
 
-use nix::fcntl::AtFlags;
-use nix::sys::stat::{mknod, Mode, SFlag};
-use nix::unistd::{fchownat, Gid, Uid};
+use nix::sys::stat::{FileStat, SFlag};
 use sha2::{Digest, Sha256};
+use xattr::FileExt;
 
 const WHITEOUT_PREFIX: &str = ".wh.";
 const OPAQUE_MARKER: &str = ".wh..wh..opq";
 const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 const MAX_SYMLINK_HOPS: usize = 40;
+/// Longest entry name or link target: what any path-based tool (and the kernel, PATH_MAX) can
+/// use. It also bounds how deep one entry can nest directories.
+const MAX_NAME_BYTES: usize = 4096;
+/// Header bytes of one entry (pax records, GNU long names, sparse maps), which the tar reader
+/// holds in memory whole. Go's archive/tar, which builds and reads most images, refuses more
+/// than 1 MiB per such record; three of them fit here.
+pub const MAX_ENTRY_HEADER_BYTES: u64 = 4 << 20;
+
+/// Bounds on one layer's unpack; 0 means no bound.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// Uncompressed bytes: of the tar stream, and of file content written (sparse files and
+    /// hard-link copy-ups can write more than the stream holds).
+    pub max_bytes: u64,
+    /// Names created: files, directories, links, device nodes, whiteouts, including parent
+    /// directories the tar leaves implied.
+    pub max_entries: u64,
+}
+
+impl Limits {
+    pub const UNLIMITED: Limits = Limits {
+        max_bytes: 0,
+        max_entries: 0,
+    };
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum UnpackError {
@@ -45,8 +81,36 @@ pub enum UnpackError {
     },
     #[error("reading layer")]
     Read(#[source] io::Error),
+    /// A filesystem operation on the layer directories themselves, not on an entry.
+    #[error("{op} {path}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("layer content digest is {actual}, the image config says {expected}")]
     DiffIdMismatch { expected: String, actual: String },
+    #[error("layer unpacks to more than image.max_layer_unpacked_bytes = {limit} bytes{}", at_entry(.entry))]
+    TooLarge { limit: u64, entry: Option<String> },
+    #[error("layer creates more than image.max_layer_entries = {limit} files, directories and links{}", at_entry(.entry))]
+    TooManyEntries { limit: u64, entry: Option<String> },
+    #[error("layer entry headers (pax records, long names) exceed {limit} bytes{}", after_entry(.after))]
+    HeaderTooLarge { limit: u64, after: Option<String> },
+}
+
+fn at_entry(entry: &Option<String>) -> String {
+    entry
+        .as_ref()
+        .map(|e| format!(" (at entry {e:?})"))
+        .unwrap_or_default()
+}
+
+fn after_entry(entry: &Option<String>) -> String {
+    entry
+        .as_ref()
+        .map(|e| format!(" (after entry {e:?})"))
+        .unwrap_or_else(|| " (at the first entry)".into())
 }
 
 /// What an unpacked layer is: its uncompressed digest, and what it occupies on disk.
@@ -59,12 +123,14 @@ pub struct Unpacked {
 
 /// Unpacks `compressed` (gzip, zstd or plain tar, told apart by their magic bytes) into `dest`,
 /// an empty directory. `lowers` are the unpacked layers below, topmost first. The uncompressed
-/// stream must hash to `expected_diff_id`.
+/// stream must hash to `expected_diff_id`. On error `dest` holds a partial layer: the caller
+/// removes it.
 pub fn unpack_layer(
     compressed: impl Read,
     dest: &Path,
     lowers: &[PathBuf],
     expected_diff_id: &str,
+    limits: Limits,
 ) -> Result<Unpacked, UnpackError> {
     let mut input = io::BufReader::with_capacity(256 * 1024, compressed);
     let magic = peek(&mut input, 4).map_err(UnpackError::Read)?;
@@ -78,30 +144,53 @@ pub fn unpack_layer(
     } else {
         Box::new(input)
     };
-    let mut hashing = HashingReader {
+    let budget = Rc::new(StreamBudget::new(limits.max_bytes));
+    let mut stream = Stream {
         inner: decoded,
         hasher: Sha256::new(),
+        budget: budget.clone(),
     };
-    let mut unpacker = Unpacker::new(dest, lowers);
+    let mut unpacker = Unpacker::new(dest, lowers, limits)?;
     {
-        let mut archive = tar::Archive::new(&mut hashing);
-        let entries = archive.entries().map_err(UnpackError::Read)?;
-        for entry in entries {
-            let mut entry = entry.map_err(UnpackError::Read)?;
-            unpacker.entry(&mut entry)?;
+        let mut archive = tar::Archive::new(&mut stream);
+        let mut entries = archive
+            .entries()
+            .map_err(|e| budget.explain(UnpackError::Read(e), None))?;
+        let mut last: Option<String> = None;
+        loop {
+            // What the tar reader consumes here is one entry's headers, held in memory whole.
+            budget.headers_begin();
+            let next = entries.next();
+            budget.headers_end();
+            let Some(entry) = next else { break };
+            let mut entry =
+                entry.map_err(|e| budget.explain(UnpackError::Read(e), last.clone()))?;
+            let r = unpacker.entry(&mut entry).and_then(|()| {
+                // Skip what the entry did not consume now, so the next headers start clean.
+                io::copy(&mut entry, &mut io::sink())
+                    .map(drop)
+                    .map_err(UnpackError::Read)
+            });
+            last = Some(unpacker.current.clone());
+            r.map_err(|e| budget.explain(e, last.clone()))?;
         }
     }
     // The tar end-of-archive blocks and any padding are part of the digested stream.
-    io::copy(&mut hashing, &mut io::sink()).map_err(UnpackError::Read)?;
+    io::copy(&mut stream, &mut io::sink())
+        .map_err(|e| budget.explain(UnpackError::Read(e), None))?;
     unpacker.finish()?;
-    let diff_id = format!("sha256:{:x}", hashing.hasher.finalize());
+    let diff_id = format!("sha256:{:x}", stream.hasher.finalize());
     if diff_id != expected_diff_id {
         return Err(UnpackError::DiffIdMismatch {
             expected: expected_diff_id.into(),
             actual: diff_id,
         });
     }
-    let (usage_bytes, usage_inodes) = disk_usage(dest).map_err(UnpackError::Read)?;
+    let (usage_bytes, usage_inodes) = disk_usage(dest).map_err(|source| UnpackError::Io {
+        op: "measure",
+        path: dest.into(),
+        source,
+    })?;
     Ok(Unpacked {
         diff_id,
         usage_bytes,
@@ -114,33 +203,122 @@ fn peek(r: &mut impl io::BufRead, n: usize) -> io::Result<Vec<u8>> {
     Ok(buf[..buf.len().min(n)].to_vec())
 }
 
-struct HashingReader<R> {
+/// The uncompressed stream: hashed, counted against the byte bound and, while the tar reader
+/// parses an entry's headers, against the header bound.
+struct Stream<R> {
     inner: R,
     hasher: Sha256,
+    budget: Rc<StreamBudget>,
 }
 
-impl<R: Read> Read for HashingReader<R> {
+impl<R: Read> Read for Stream<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
         self.hasher.update(&buf[..n]);
+        self.budget.consume(n as u64)?;
         Ok(n)
     }
 }
 
-/// Allocated bytes and inodes under `root`, each inode counted once (hard links).
+#[derive(Debug, Clone, Copy)]
+enum Exceeded {
+    Bytes,
+    Headers,
+}
+
+/// Shared between the stream (which counts) and the unpack loop (which marks header parsing
+/// and turns the reader's error into the bound that was hit).
+struct StreamBudget {
+    max_bytes: u64,
+    read: Cell<u64>,
+    headers_from: Cell<Option<u64>>,
+    exceeded: Cell<Option<Exceeded>>,
+}
+
+impl StreamBudget {
+    fn new(max_bytes: u64) -> StreamBudget {
+        StreamBudget {
+            max_bytes,
+            read: Cell::new(0),
+            headers_from: Cell::new(None),
+            exceeded: Cell::new(None),
+        }
+    }
+
+    fn consume(&self, n: u64) -> io::Result<()> {
+        let read = self.read.get().saturating_add(n);
+        self.read.set(read);
+        let hit = if self.max_bytes > 0 && read > self.max_bytes {
+            Some(Exceeded::Bytes)
+        } else if matches!(self.headers_from.get(), Some(from) if read - from > MAX_ENTRY_HEADER_BYTES)
+        {
+            Some(Exceeded::Headers)
+        } else {
+            None
+        };
+        match hit {
+            Some(hit) => {
+                self.exceeded.set(Some(hit));
+                Err(io::Error::other("layer bound exceeded"))
+            }
+            None => Ok(()),
+        }
+    }
+
+    fn headers_begin(&self) {
+        self.headers_from.set(Some(self.read.get()));
+    }
+
+    fn headers_end(&self) {
+        self.headers_from.set(None);
+    }
+
+    /// `err`, or the bound that caused it (the reader's error may reach us wrapped).
+    fn explain(&self, err: UnpackError, entry: Option<String>) -> UnpackError {
+        match self.exceeded.get() {
+            Some(Exceeded::Bytes) => UnpackError::TooLarge {
+                limit: self.max_bytes,
+                entry,
+            },
+            Some(Exceeded::Headers) => UnpackError::HeaderTooLarge {
+                limit: MAX_ENTRY_HEADER_BYTES,
+                after: entry,
+            },
+            None => err,
+        }
+    }
+}
+
+/// Allocated bytes and inodes under `root`, each inode counted once (hard links). Walks with
+/// descriptors and never follows a symlink, so a tree deeper than PATH_MAX is measured and one
+/// a container rewrites while we walk (its upper directory) cannot lead the walk elsewhere.
 pub fn disk_usage(root: &Path) -> io::Result<(u64, u64)> {
     let mut seen = std::collections::HashSet::new();
     let mut bytes = 0u64;
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        let md = fs::symlink_metadata(&p)?;
-        if seen.insert((md.dev(), md.ino())) {
-            bytes += md.blocks() * 512;
+    let mut count = |st: &FileStat| {
+        if seen.insert((st.st_dev, st.st_ino)) {
+            bytes += st.st_blocks as u64 * 512;
         }
-        if md.is_dir() {
-            for e in fs::read_dir(&p)? {
-                stack.push(e?.path());
-            }
+    };
+    let top = at::open_root(root)?;
+    count(&at::fstat(&top)?);
+    let listing = at::read_dir(&top)?;
+    // One open directory (and its listing) per level of the current path.
+    let mut stack = vec![(top, listing)];
+    while let Some((dir, listing)) = stack.last_mut() {
+        let Some(e) = listing.next() else {
+            stack.pop();
+            continue;
+        };
+        let name = e?.file_name();
+        let Some(st) = at::stat(dir, &name)? else {
+            continue; // removed meanwhile
+        };
+        count(&st);
+        if at::is_type(&st, SFlag::S_IFDIR) {
+            let child = at::open_dir(dir, &name)?;
+            let listing = at::read_dir(&child)?;
+            stack.push((child, listing));
         }
     }
     Ok((bytes, seen.len() as u64))
@@ -154,13 +332,58 @@ enum Kind {
     Other,
 }
 
+impl Kind {
+    fn of(st: &FileStat, link: impl FnOnce() -> io::Result<PathBuf>) -> io::Result<Kind> {
+        Ok(if at::is_type(st, SFlag::S_IFDIR) {
+            Kind::Dir
+        } else if at::is_type(st, SFlag::S_IFLNK) {
+            Kind::Symlink(link()?)
+        } else {
+            Kind::Other
+        })
+    }
+}
+
+/// A real directory of the layer being written, open, with its path from the layer root.
+struct Dir {
+    fd: File,
+    rel: PathBuf,
+    /// This directory or one above it in this layer is opaque: nothing below shows through.
+    opaque: bool,
+}
+
+/// Something a lower layer has at a path: the directory holding it, open, and its `lstat`.
+struct Found {
+    parent: File,
+    name: OsString,
+    st: FileStat,
+    kind: Kind,
+}
+
+enum LayerHit {
+    /// The layer has something at the path.
+    Found(Found),
+    /// The layer hides the path from the layers below (whiteout, opaque or non-directory ancestor).
+    Hidden,
+    /// The layer says nothing about the path.
+    Absent,
+}
+
 struct Unpacker<'a> {
     dest: &'a Path,
-    lowers: &'a [PathBuf],
+    root: File,
+    lowers: Vec<(File, &'a Path)>,
     /// Directory mtimes to set once everything inside is written.
     dir_times: Vec<(PathBuf, filetime::FileTime)>,
     /// Memo of lookups in the lower layers (they never change while we unpack).
     lower_memo: HashMap<PathBuf, Kind>,
+    limits: Limits,
+    /// File content written so far (the stream is counted apart).
+    written: u64,
+    /// Names created so far.
+    created: u64,
+    /// The entry being unpacked, for errors raised outside it.
+    current: String,
 }
 
 /// The metadata of one entry, from the header and its PAX records.
@@ -173,18 +396,34 @@ struct Meta {
 }
 
 impl<'a> Unpacker<'a> {
-    fn new(dest: &'a Path, lowers: &'a [PathBuf]) -> Self {
-        Unpacker {
+    fn new(dest: &'a Path, lowers: &'a [PathBuf], limits: Limits) -> Result<Self, UnpackError> {
+        let open = |p: &Path| {
+            at::open_root(p).map_err(|source| UnpackError::Io {
+                op: "open layer directory",
+                path: p.to_path_buf(),
+                source,
+            })
+        };
+        Ok(Unpacker {
             dest,
-            lowers,
+            root: open(dest)?,
+            lowers: lowers
+                .iter()
+                .map(|l| Ok((open(l)?, l.as_path())))
+                .collect::<Result<_, UnpackError>>()?,
             dir_times: Vec::new(),
             lower_memo: HashMap::new(),
-        }
+            limits,
+            written: 0,
+            created: 0,
+            current: String::new(),
+        })
     }
 
     fn entry<R: Read>(&mut self, entry: &mut tar::Entry<'_, R>) -> Result<(), UnpackError> {
         let raw = entry.path().map_err(UnpackError::Read)?.into_owned();
         let name = raw.to_string_lossy().into_owned();
+        self.current = name.clone();
         let err = |reason: String| UnpackError::Entry {
             entry: name.clone(),
             reason,
@@ -198,64 +437,56 @@ impl<'a> Unpacker<'a> {
 
         if base == OPAQUE_MARKER {
             let dir = self.resolve_dir(parent, &name)?;
-            return self.make_opaque(&dir, &name);
+            return self.make_opaque(&dir.fd, &self.shown(&dir, None), &name);
         }
         if let Some(hidden) = base.as_bytes().strip_prefix(WHITEOUT_PREFIX.as_bytes()) {
-            let hidden = std::ffi::OsStr::from_bytes(hidden);
+            let hidden = OsStr::from_bytes(hidden);
             if hidden.is_empty() || hidden == "." || hidden == ".." {
                 return Err(err(format!("invalid whiteout name {base:?}")));
             }
             let dir = self.resolve_dir(parent, &name)?;
-            let target = dir.join(hidden);
-            self.clear(&target, &name)?;
-            mknod(&target, SFlag::S_IFCHR, Mode::empty(), 0).map_err(|e| UnpackError::EntryIo {
-                entry: name.clone(),
-                op: "create whiteout",
-                path: target.clone(),
-                source: e.into(),
-            })?;
-            return Ok(());
+            self.clear(&dir, hidden, &name)?;
+            self.count(&name)?;
+            return at::mknod(&dir.fd, hidden, SFlag::S_IFCHR, 0).map_err(io_at(
+                &name,
+                "create whiteout",
+                &self.shown(&dir, Some(hidden)),
+            ));
         }
 
         let dir = self.resolve_dir(parent, &name)?;
-        let target = dir.join(base);
-        let io_err = |op: &'static str, path: &Path| {
-            let entry = name.clone();
-            let path = path.to_path_buf();
-            move |source: io::Error| UnpackError::EntryIo {
-                entry,
-                op,
-                path,
-                source,
-            }
-        };
+        let here = self.shown(&dir, Some(base));
         use tar::EntryType as T;
         match kind {
             T::Directory => {
-                let existing = fs::symlink_metadata(&target).ok();
-                if !existing.as_ref().is_some_and(|m| m.is_dir()) {
-                    let over_whiteout = self.clear(&target, &name)?;
-                    fs::create_dir(&target).map_err(io_err("create directory", &target))?;
+                let existing = self.stat(&dir, base, &name)?;
+                let fd = if existing.is_some_and(|st| at::is_type(&st, SFlag::S_IFDIR)) {
+                    at::open_dir(&dir.fd, base).map_err(io_at(&name, "open directory", &here))?
+                } else {
+                    let over_whiteout = self.clear(&dir, base, &name)?;
+                    self.count(&name)?;
+                    at::mkdir(&dir.fd, base).map_err(io_at(&name, "create directory", &here))?;
+                    let fd = at::open_dir(&dir.fd, base).map_err(io_at(
+                        &name,
+                        "open directory",
+                        &here,
+                    ))?;
                     if over_whiteout {
-                        self.make_opaque(&target, &name)?;
+                        self.make_opaque(&fd, &here, &name)?;
                     }
-                }
-                self.apply_meta(&target, &meta, false, &name)?;
-                self.dir_times.push((target, meta.mtime));
+                    fd
+                };
+                self.apply_meta_fd(&fd, &meta, &name, &here)?;
+                self.dir_times.push((dir.rel.join(base), meta.mtime));
             }
             T::Regular | T::Continuous | T::GNUSparse => {
-                self.clear(&target, &name)?;
-                let mut f = OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .custom_flags(libc::O_NOFOLLOW)
-                    .mode(0o600)
-                    .open(&target)
-                    .map_err(io_err("create file", &target))?;
-                copy_content(entry, &mut f).map_err(io_err("write file", &target))?;
-                drop(f);
-                self.apply_meta(&target, &meta, false, &name)?;
-                set_times(&target, meta.mtime).map_err(io_err("set times of", &target))?;
+                self.clear(&dir, base, &name)?;
+                self.count(&name)?;
+                let mut f =
+                    at::create(&dir.fd, base).map_err(io_at(&name, "create file", &here))?;
+                self.copy_data(entry, &mut f, &name, &here)?;
+                self.apply_meta_fd(&f, &meta, &name, &here)?;
+                at::set_fd_times(&f, meta.mtime).map_err(io_at(&name, "set times of", &here))?;
             }
             T::Symlink => {
                 let link = entry
@@ -263,52 +494,12 @@ impl<'a> Unpacker<'a> {
                     .map_err(UnpackError::Read)?
                     .ok_or_else(|| err("symlink without a target".into()))?
                     .into_owned();
-                self.clear(&target, &name)?;
-                std::os::unix::fs::symlink(&link, &target)
-                    .map_err(io_err("create symlink", &target))?;
-                self.apply_meta(&target, &meta, true, &name)?;
-                set_times(&target, meta.mtime).map_err(io_err("set times of", &target))?;
+                self.clear(&dir, base, &name)?;
+                self.count(&name)?;
+                at::symlink(&link, &dir.fd, base).map_err(io_at(&name, "create symlink", &here))?;
+                self.apply_meta_at(&dir, base, &meta, true, &name)?;
             }
-            T::Link => {
-                let link = entry
-                    .link_name()
-                    .map_err(UnpackError::Read)?
-                    .ok_or_else(|| err("hard link without a target".into()))?
-                    .into_owned();
-                let lcomps =
-                    clean_components(&link).map_err(|r| err(format!("hard link target: {r}")))?;
-                let Some((lbase, lparent)) = lcomps.split_last() else {
-                    return Err(err("hard link to the root directory".into()));
-                };
-                let ldir = self.resolve_dir(lparent, &name)?;
-                let source = ldir.join(lbase);
-                match fs::symlink_metadata(&source) {
-                    Ok(md) if md.is_dir() => {
-                        return Err(err(format!("hard link to directory {link:?}")))
-                    }
-                    Ok(md) if is_whiteout(&md) => {
-                        return Err(err(format!("hard link target {link:?} does not exist")))
-                    }
-                    Ok(_) => {}
-                    Err(_) => {
-                        // The target is in a lower layer: copy it up, as overlayfs would.
-                        let rel = source
-                            .strip_prefix(self.dest)
-                            .expect("resolved under dest")
-                            .to_path_buf();
-                        let lower = self.find_in_lowers(&rel).ok_or_else(|| {
-                            err(format!("hard link target {link:?} does not exist"))
-                        })?;
-                        copy_up(&lower, &source)
-                            .map_err(io_err("copy up hard link target", &source))?;
-                    }
-                }
-                if source == target {
-                    return Ok(());
-                }
-                self.clear(&target, &name)?;
-                fs::hard_link(&source, &target).map_err(io_err("create hard link", &target))?;
-            }
+            T::Link => self.hard_link(entry, &dir, base, &name)?,
             T::Char | T::Block | T::Fifo => {
                 let (flag, dev) = match kind {
                     T::Char | T::Block => {
@@ -323,11 +514,14 @@ impl<'a> Unpacker<'a> {
                     }
                     _ => (SFlag::S_IFIFO, 0),
                 };
-                self.clear(&target, &name)?;
-                mknod(&target, flag, Mode::from_bits_truncate(0o600), dev)
-                    .map_err(|e| io_err("create device node", &target)(e.into()))?;
-                self.apply_meta(&target, &meta, false, &name)?;
-                set_times(&target, meta.mtime).map_err(io_err("set times of", &target))?;
+                self.clear(&dir, base, &name)?;
+                self.count(&name)?;
+                at::mknod(&dir.fd, base, flag, dev).map_err(io_at(
+                    &name,
+                    "create device node",
+                    &here,
+                ))?;
+                self.apply_meta_at(&dir, base, &meta, false, &name)?;
             }
             T::XGlobalHeader | T::XHeader | T::GNULongName | T::GNULongLink => {}
             other => {
@@ -335,6 +529,65 @@ impl<'a> Unpacker<'a> {
             }
         }
         Ok(())
+    }
+
+    /// A hard link `dir/base` to the entry's link target, resolved in the merged view; a
+    /// target only a lower layer has is copied up first, as overlayfs would.
+    fn hard_link<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        dir: &Dir,
+        base: &OsStr,
+        name: &str,
+    ) -> Result<(), UnpackError> {
+        let err = |reason: String| UnpackError::Entry {
+            entry: name.into(),
+            reason,
+        };
+        let link = entry
+            .link_name()
+            .map_err(UnpackError::Read)?
+            .ok_or_else(|| err("hard link without a target".into()))?
+            .into_owned();
+        let lcomps = clean_components(&link).map_err(|r| err(format!("hard link target: {r}")))?;
+        let Some((lbase, lparent)) = lcomps.split_last() else {
+            return Err(err("hard link to the root directory".into()));
+        };
+        let ldir = self.resolve_dir(lparent, name)?;
+        match self.stat(&ldir, lbase, name)? {
+            Some(st) if at::is_type(&st, SFlag::S_IFDIR) => {
+                return Err(err(format!("hard link to directory {link:?}")))
+            }
+            Some(st) if is_whiteout(&st) => {
+                return Err(err(format!("hard link target {link:?} does not exist")))
+            }
+            Some(_) => {}
+            None => {
+                let rel = ldir.rel.join(lbase);
+                let found = if ldir.opaque {
+                    None
+                } else {
+                    self.find_in_lowers(&rel, name)?
+                };
+                let Some(found) = found else {
+                    return Err(err(format!("hard link target {link:?} does not exist")));
+                };
+                if found.kind == Kind::Dir {
+                    return Err(err(format!("hard link to directory {link:?}")));
+                }
+                self.copy_up(&found, &ldir, lbase, name)?;
+            }
+        }
+        if ldir.rel.join(lbase) == dir.rel.join(base) {
+            return Ok(());
+        }
+        self.clear(dir, base, name)?;
+        self.count(name)?;
+        at::link(&ldir.fd, lbase, &dir.fd, base).map_err(io_at(
+            name,
+            "create hard link",
+            &self.shown(dir, Some(base)),
+        ))
     }
 
     fn meta<R: Read>(&self, entry: &mut tar::Entry<'_, R>) -> io::Result<Meta> {
@@ -371,101 +624,203 @@ impl<'a> Unpacker<'a> {
         Ok(meta)
     }
 
-    /// Owner, then mode (chown clears setuid bits, so the order matters), then xattrs.
-    fn apply_meta(
+    /// Owner, then mode (chown clears setuid bits, so the order matters), then xattrs, on a
+    /// file or directory we hold open.
+    fn apply_meta_fd(
         &self,
-        path: &Path,
+        f: &File,
         meta: &Meta,
-        symlink: bool,
         entry: &str,
+        shown: &Path,
     ) -> Result<(), UnpackError> {
-        let ioe = |op: &'static str, source: io::Error| UnpackError::EntryIo {
-            entry: entry.into(),
-            op,
-            path: path.to_path_buf(),
-            source,
+        let ioe = |op: &'static str| {
+            move |source: io::Error| UnpackError::EntryIo {
+                entry: entry.into(),
+                op,
+                path: shown.to_path_buf(),
+                source,
+            }
         };
-        fchownat(
-            None,
-            path,
-            Some(Uid::from_raw(meta.uid)),
-            Some(Gid::from_raw(meta.gid)),
-            AtFlags::AT_SYMLINK_NOFOLLOW,
-        )
-        .map_err(|e| ioe("change owner of", e.into()))?;
-        if !symlink {
-            fs::set_permissions(path, fs::Permissions::from_mode(meta.mode))
-                .map_err(|e| ioe("change mode of", e))?;
-        }
+        std::os::unix::fs::fchown(f, Some(meta.uid), Some(meta.gid))
+            .map_err(ioe("change owner of"))?;
+        f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(meta.mode))
+            .map_err(ioe("change mode of"))?;
         for (name, value) in &meta.xattrs {
-            // Overlay's own attributes in a layer would let it redirect or hide lower content.
-            if name.as_bytes().starts_with(b"trusted.overlay.") {
-                tracing::warn!(entry, xattr = ?name, "ignoring overlay xattr carried by a layer");
+            if !wanted_xattr(name, entry) {
                 continue;
             }
-            if let Err(e) = xattr::set(path, name, value) {
-                if e.raw_os_error() == Some(libc::ENOTSUP) {
-                    tracing::warn!(entry, xattr = ?name, "filesystem does not support this xattr");
-                    continue;
-                }
-                return Err(ioe("set xattr on", e));
-            }
+            tolerate_unsupported(f.set_xattr(name, value), name, entry)
+                .map_err(ioe("set xattr on"))?;
         }
         Ok(())
     }
 
-    /// Removes what stands at `target` in this layer so an entry can take its place. Returns
-    /// true when that was a whiteout: a directory created in its place must then be opaque, or
-    /// the deleted lower directory's content would show through again.
-    fn clear(&self, target: &Path, entry: &str) -> Result<bool, UnpackError> {
-        match fs::symlink_metadata(target) {
-            Ok(md) => {
-                let r = if md.is_dir() {
-                    fs::remove_dir_all(target)
-                } else {
-                    fs::remove_file(target)
-                };
-                r.map_err(|source| UnpackError::EntryIo {
-                    entry: entry.into(),
-                    op: "replace",
-                    path: target.to_path_buf(),
-                    source,
-                })?;
-                Ok(is_whiteout(&md))
+    /// As `apply_meta_fd`, plus times, for what cannot be opened: symlinks and device nodes.
+    fn apply_meta_at(
+        &self,
+        dir: &Dir,
+        base: &OsStr,
+        meta: &Meta,
+        symlink: bool,
+        entry: &str,
+    ) -> Result<(), UnpackError> {
+        let here = self.shown(dir, Some(base));
+        at::chown(&dir.fd, base, meta.uid, meta.gid).map_err(io_at(
+            entry,
+            "change owner of",
+            &here,
+        ))?;
+        if !symlink {
+            at::chmod(&dir.fd, base, meta.mode).map_err(io_at(entry, "change mode of", &here))?;
+        }
+        for (name, value) in &meta.xattrs {
+            if !wanted_xattr(name, entry) {
+                continue;
             }
-            Err(_) => Ok(false),
+            tolerate_unsupported(at::set_xattr(&dir.fd, base, name, value), name, entry)
+                .map_err(io_at(entry, "set xattr on", &here))?;
+        }
+        at::set_times(&dir.fd, base, meta.mtime).map_err(io_at(entry, "set times of", &here))
+    }
+
+    /// Copies `from` into `to`, counting the bytes against the layer's bound.
+    fn copy_data(
+        &mut self,
+        from: &mut impl Read,
+        to: &mut File,
+        entry: &str,
+        shown: &Path,
+    ) -> Result<(), UnpackError> {
+        let ioe = |op: &'static str| {
+            move |source: io::Error| UnpackError::EntryIo {
+                entry: entry.into(),
+                op,
+                path: shown.to_path_buf(),
+                source,
+            }
+        };
+        let mut buf = vec![0u8; 128 * 1024];
+        loop {
+            let n = from.read(&mut buf).map_err(ioe("read content for"))?;
+            if n == 0 {
+                return Ok(());
+            }
+            self.written = self.written.saturating_add(n as u64);
+            if self.limits.max_bytes > 0 && self.written > self.limits.max_bytes {
+                return Err(UnpackError::TooLarge {
+                    limit: self.limits.max_bytes,
+                    entry: Some(entry.into()),
+                });
+            }
+            to.write_all(&buf[..n]).map_err(ioe("write file"))?;
         }
     }
 
-    fn make_opaque(&self, dir: &Path, entry: &str) -> Result<(), UnpackError> {
-        xattr::set(dir, OPAQUE_XATTR, b"y").map_err(|source| UnpackError::EntryIo {
-            entry: entry.into(),
-            op: "set opaque xattr on",
-            path: dir.to_path_buf(),
-            source,
+    /// Counts one created name against the layer's bound.
+    fn count(&mut self, entry: &str) -> Result<(), UnpackError> {
+        self.created += 1;
+        if self.limits.max_entries > 0 && self.created > self.limits.max_entries {
+            return Err(UnpackError::TooManyEntries {
+                limit: self.limits.max_entries,
+                entry: Some(entry.into()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Where `dir/name` is, for messages only (nothing is opened by this path).
+    fn shown(&self, dir: &Dir, name: Option<&OsStr>) -> PathBuf {
+        let p = self.dest.join(&dir.rel);
+        match name {
+            Some(n) => p.join(n),
+            None => p,
+        }
+    }
+
+    fn io_err<'e>(
+        &self,
+        entry: &'e str,
+        op: &'static str,
+        dir: &Dir,
+        name: &OsStr,
+    ) -> impl FnOnce(io::Error) -> UnpackError + 'e {
+        io_at(entry, op, &self.shown(dir, Some(name)))
+    }
+
+    fn stat(&self, dir: &Dir, name: &OsStr, entry: &str) -> Result<Option<FileStat>, UnpackError> {
+        at::stat(&dir.fd, name).map_err(self.io_err(entry, "look up", dir, name))
+    }
+
+    /// Removes what stands at `dir/name` in this layer so an entry can take its place. Returns
+    /// true when that was a whiteout: a directory created in its place must then be opaque, or
+    /// the deleted lower directory's content would show through again.
+    fn clear(&self, dir: &Dir, name: &OsStr, entry: &str) -> Result<bool, UnpackError> {
+        let Some(st) = self.stat(dir, name, entry)? else {
+            return Ok(false);
+        };
+        at::remove(&dir.fd, name, at::is_type(&st, SFlag::S_IFDIR))
+            .map_err(self.io_err(entry, "replace", dir, name))?;
+        Ok(is_whiteout(&st))
+    }
+
+    fn make_opaque(&self, dir: &File, shown: &Path, entry: &str) -> Result<(), UnpackError> {
+        dir.set_xattr(OPAQUE_XATTR, b"y")
+            .map_err(|source| UnpackError::EntryIo {
+                entry: entry.into(),
+                op: "set opaque xattr on",
+                path: shown.to_path_buf(),
+                source,
+            })
+    }
+
+    fn root_dir(&self, entry: &str) -> Result<Dir, UnpackError> {
+        let fd = self
+            .root
+            .try_clone()
+            .map_err(|source| UnpackError::EntryIo {
+                entry: entry.into(),
+                op: "open",
+                path: self.dest.to_path_buf(),
+                source,
+            })?;
+        Ok(Dir {
+            fd,
+            rel: PathBuf::new(),
+            opaque: false,
         })
     }
 
     /// Resolves directory components to a real directory of this layer, following symlinks of
-    /// the merged view inside the root and creating missing directories (copying owner and mode
-    /// from a lower layer's directory when there is one, as overlayfs copy-up would).
-    fn resolve_dir(&mut self, comps: &[OsString], entry: &str) -> Result<PathBuf, UnpackError> {
+    /// the merged view inside the root and creating missing directories (copying owner, mode
+    /// and xattrs from a lower layer's directory when there is one, as overlayfs copy-up
+    /// would).
+    fn resolve_dir(&mut self, comps: &[OsString], entry: &str) -> Result<Dir, UnpackError> {
         let mut queue: VecDeque<OsString> = comps.iter().cloned().collect();
-        let mut cur = PathBuf::new();
+        let mut cur = self.root_dir(entry)?;
         let mut hops = 0;
         while let Some(c) = queue.pop_front() {
             if c == ".." {
-                cur.pop();
+                let mut up = cur.rel.clone();
+                if up.pop() {
+                    cur = self.reopen(&up, entry)?;
+                }
                 continue;
             }
             if c == "." || c.is_empty() {
                 continue;
             }
-            let rel = cur.join(&c);
-            match self.lookup(&rel) {
+            match self.lookup(&cur, &c, entry)? {
                 Kind::Dir | Kind::Missing => {
-                    self.ensure_dir(&rel, entry)?;
-                    cur = rel;
+                    cur = self.ensure_dir(&cur, &c, entry)?;
+                    // Symlinks can nest a path deeper than its name: keep it usable.
+                    if cur.rel.as_os_str().len() > MAX_NAME_BYTES {
+                        return Err(UnpackError::Entry {
+                            entry: entry.into(),
+                            reason: format!(
+                                "resolves to a path longer than {MAX_NAME_BYTES} bytes"
+                            ),
+                        });
+                    }
                 }
                 Kind::Symlink(target) => {
                     hops += 1;
@@ -474,12 +829,12 @@ impl<'a> Unpacker<'a> {
                             entry: entry.into(),
                             reason: format!(
                                 "too many levels of symbolic links at {}",
-                                rel.display()
+                                cur.rel.join(&c).display()
                             ),
                         });
                     }
                     if target.is_absolute() {
-                        cur = PathBuf::new();
+                        cur = self.root_dir(entry)?;
                     }
                     for t in target.components().rev() {
                         match t {
@@ -492,93 +847,204 @@ impl<'a> Unpacker<'a> {
                 Kind::Other => {
                     return Err(UnpackError::Entry {
                         entry: entry.into(),
-                        reason: format!("{} is not a directory", rel.display()),
+                        reason: format!("{} is not a directory", cur.rel.join(&c).display()),
                     })
                 }
             }
         }
-        Ok(self.dest.join(cur))
+        Ok(cur)
     }
 
-    /// Makes `rel` a real directory in this layer (its parent already is one).
-    fn ensure_dir(&mut self, rel: &Path, entry: &str) -> Result<(), UnpackError> {
-        let path = self.dest.join(rel);
-        let over_whiteout = match fs::symlink_metadata(&path) {
-            Ok(md) if md.is_dir() => return Ok(()),
-            Ok(_) => self.clear(&path, entry)?,
-            Err(_) => false,
+    /// Opens `rel`, a path of real directories of this layer, from the root again.
+    fn reopen(&self, rel: &Path, entry: &str) -> Result<Dir, UnpackError> {
+        let mut cur = self.root_dir(entry)?;
+        for c in rel.components() {
+            let Component::Normal(c) = c else { continue };
+            let fd =
+                at::open_dir(&cur.fd, c).map_err(self.io_err(entry, "open directory", &cur, c))?;
+            let opaque = cur.opaque || is_opaque(&fd);
+            cur = Dir {
+                fd,
+                rel: cur.rel.join(c),
+                opaque,
+            };
+        }
+        Ok(cur)
+    }
+
+    /// Makes `parent/c` a real directory in this layer and opens it.
+    fn ensure_dir(&mut self, parent: &Dir, c: &OsStr, entry: &str) -> Result<Dir, UnpackError> {
+        let rel = parent.rel.join(c);
+        let over_whiteout = match self.stat(parent, c, entry)? {
+            Some(st) if at::is_type(&st, SFlag::S_IFDIR) => {
+                let fd = at::open_dir(&parent.fd, c).map_err(self.io_err(
+                    entry,
+                    "open directory",
+                    parent,
+                    c,
+                ))?;
+                let opaque = parent.opaque || is_opaque(&fd);
+                return Ok(Dir { fd, rel, opaque });
+            }
+            Some(_) => self.clear(parent, c, entry)?,
+            None => false,
         };
-        let ioe = |op: &'static str, source: io::Error| UnpackError::EntryIo {
-            entry: entry.into(),
-            op,
-            path: path.clone(),
-            source,
+        // The lower directory this one covers, unless this layer deleted or hides it.
+        let lower = if over_whiteout || parent.opaque {
+            None
+        } else {
+            self.find_in_lowers(&rel, entry)?
+                .filter(|f| f.kind == Kind::Dir)
         };
-        fs::create_dir(&path).map_err(|e| ioe("create directory", e))?;
-        let (mode, uid, gid) = match self.find_in_lowers(rel).and_then(|p| fs::metadata(p).ok()) {
-            Some(md) => (md.mode() & 0o7777, md.uid(), md.gid()),
+        self.count(entry)?;
+        at::mkdir(&parent.fd, c).map_err(self.io_err(entry, "create directory", parent, c))?;
+        let fd =
+            at::open_dir(&parent.fd, c).map_err(self.io_err(entry, "open directory", parent, c))?;
+        let shown = self.shown(parent, Some(c));
+        let ioe = |op: &'static str| io_at(entry, op, &shown);
+        let (mode, uid, gid) = match &lower {
+            Some(f) => (f.st.st_mode & 0o7777, f.st.st_uid, f.st.st_gid),
             None => (0o755, 0, 0),
         };
-        fchownat(
-            None,
-            &path,
-            Some(Uid::from_raw(uid)),
-            Some(Gid::from_raw(gid)),
-            AtFlags::AT_SYMLINK_NOFOLLOW,
-        )
-        .map_err(|e| ioe("change owner of", e.into()))?;
-        fs::set_permissions(&path, fs::Permissions::from_mode(mode))
-            .map_err(|e| ioe("change mode of", e))?;
+        std::os::unix::fs::fchown(&fd, Some(uid), Some(gid)).map_err(ioe("change owner of"))?;
+        fd.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
+            .map_err(ioe("change mode of"))?;
+        if let Some(f) = &lower {
+            let from = at::open_dir(&f.parent, &f.name).map_err(ioe("open lower directory of"))?;
+            copy_xattrs(&from, &fd, entry).map_err(ioe("copy xattrs to"))?;
+        }
         if over_whiteout {
-            self.make_opaque(&path, entry)?;
+            self.make_opaque(&fd, &shown, entry)?;
         }
-        Ok(())
+        Ok(Dir {
+            fd,
+            rel,
+            opaque: parent.opaque || over_whiteout,
+        })
     }
 
-    /// What `rel` is in the merged view of this layer over the lower ones.
-    fn lookup(&mut self, rel: &Path) -> Kind {
-        match layer_lookup(self.dest, rel) {
-            LayerHit::Found(k) => return k,
-            LayerHit::Hidden => return Kind::Missing,
-            LayerHit::Absent => {}
+    /// What `dir/c` is in the merged view of this layer over the lower ones.
+    fn lookup(&mut self, dir: &Dir, c: &OsStr, entry: &str) -> Result<Kind, UnpackError> {
+        match self.stat(dir, c, entry)? {
+            Some(st) if is_whiteout(&st) => Ok(Kind::Missing),
+            Some(st) => Kind::of(&st, || at::readlink(&dir.fd, c)).map_err(self.io_err(
+                entry,
+                "read symlink",
+                dir,
+                c,
+            )),
+            None if dir.opaque => Ok(Kind::Missing),
+            None => self.lower_kind(&dir.rel.join(c), entry),
         }
+    }
+
+    /// What the lower layers show at `rel`.
+    fn lower_kind(&mut self, rel: &Path, entry: &str) -> Result<Kind, UnpackError> {
         if let Some(k) = self.lower_memo.get(rel) {
-            return k.clone();
+            return Ok(k.clone());
         }
-        let mut kind = Kind::Missing;
-        for l in self.lowers {
-            match layer_lookup(l, rel) {
-                LayerHit::Found(k) => {
-                    kind = k;
-                    break;
-                }
-                LayerHit::Hidden => break,
-                LayerHit::Absent => {}
-            }
-        }
+        let kind = self
+            .find_in_lowers(rel, entry)?
+            .map(|f| f.kind)
+            .unwrap_or(Kind::Missing);
         self.lower_memo.insert(rel.to_path_buf(), kind.clone());
-        kind
+        Ok(kind)
     }
 
-    /// The lower layer's path that is visible at `rel`, if any.
-    fn find_in_lowers(&self, rel: &Path) -> Option<PathBuf> {
-        for l in self.lowers {
-            match layer_lookup(l, rel) {
-                LayerHit::Found(_) => return Some(l.join(rel)),
-                LayerHit::Hidden => return None,
+    /// What the topmost lower layer that says anything about `rel` has there.
+    fn find_in_lowers(&self, rel: &Path, entry: &str) -> Result<Option<Found>, UnpackError> {
+        for (root, path) in &self.lowers {
+            let hit = layer_lookup(root, rel).map_err(|source| UnpackError::EntryIo {
+                entry: entry.into(),
+                op: "look up in lower layer",
+                path: path.join(rel),
+                source,
+            })?;
+            match hit {
+                LayerHit::Found(f) => return Ok(Some(f)),
+                LayerHit::Hidden => return Ok(None),
                 LayerHit::Absent => {}
             }
         }
-        None
+        Ok(None)
+    }
+
+    /// Copies a lower layer's `found` to `to/name` in this layer: content, owner, mode,
+    /// xattrs and mtime, read only through descriptors opened inside that lower layer.
+    fn copy_up(
+        &mut self,
+        found: &Found,
+        to: &Dir,
+        name: &OsStr,
+        entry: &str,
+    ) -> Result<(), UnpackError> {
+        let st = &found.st;
+        let shown = self.shown(to, Some(name));
+        let ioe = |op: &'static str| io_at(entry, op, &shown);
+        let mtime = filetime::FileTime::from_unix_time(st.st_mtime, st.st_mtime_nsec as u32);
+        self.count(entry)?;
+        if at::is_type(st, SFlag::S_IFLNK) {
+            let target =
+                at::readlink(&found.parent, &found.name).map_err(ioe("copy up symlink"))?;
+            at::symlink(&target, &to.fd, name).map_err(ioe("copy up symlink"))?;
+            at::chown(&to.fd, name, st.st_uid, st.st_gid).map_err(ioe("change owner of"))?;
+            return at::set_times(&to.fd, name, mtime).map_err(ioe("set times of"));
+        }
+        if at::is_type(st, SFlag::S_IFREG) {
+            let mut from =
+                at::open_regular(&found.parent, &found.name).map_err(ioe("copy up file"))?;
+            let mut dst = at::create(&to.fd, name).map_err(ioe("copy up file"))?;
+            self.copy_data(&mut from, &mut dst, entry, &shown)?;
+            std::os::unix::fs::fchown(&dst, Some(st.st_uid), Some(st.st_gid))
+                .map_err(ioe("change owner of"))?;
+            dst.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(
+                st.st_mode & 0o7777,
+            ))
+            .map_err(ioe("change mode of"))?;
+            copy_xattrs(&from, &dst, entry).map_err(ioe("copy xattrs to"))?;
+            return at::set_fd_times(&dst, mtime).map_err(ioe("set times of"));
+        }
+        let kind = SFlag::from_bits_truncate(st.st_mode & SFlag::S_IFMT.bits());
+        if ![
+            SFlag::S_IFCHR,
+            SFlag::S_IFBLK,
+            SFlag::S_IFIFO,
+            SFlag::S_IFSOCK,
+        ]
+        .contains(&kind)
+        {
+            return Err(UnpackError::Entry {
+                entry: entry.into(),
+                reason: "cannot copy up the hard link target: unknown file type".into(),
+            });
+        }
+        at::mknod(&to.fd, name, kind, st.st_rdev).map_err(ioe("copy up device node"))?;
+        at::chown(&to.fd, name, st.st_uid, st.st_gid).map_err(ioe("change owner of"))?;
+        at::chmod(&to.fd, name, st.st_mode & 0o7777).map_err(ioe("change mode of"))?;
+        at::set_times(&to.fd, name, mtime).map_err(ioe("set times of"))
     }
 
     fn finish(&mut self) -> Result<(), UnpackError> {
         // Innermost directories first, so setting a parent's time is not undone by a child.
-        while let Some((dir, t)) = self.dir_times.pop() {
-            set_times(&dir, t).map_err(|source| UnpackError::EntryIo {
-                entry: dir.to_string_lossy().into_owned(),
+        while let Some((rel, t)) = self.dir_times.pop() {
+            let entry = rel.to_string_lossy().into_owned();
+            let dir = match self.reopen(&rel, &entry) {
+                Ok(d) => d,
+                // Replaced by a later entry of this layer: its time is gone with it.
+                Err(UnpackError::EntryIo { source, .. })
+                    if matches!(
+                        source.raw_os_error(),
+                        Some(libc::ENOENT | libc::ENOTDIR | libc::ELOOP)
+                    ) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(e),
+            };
+            at::set_fd_times(&dir.fd, t).map_err(|source| UnpackError::EntryIo {
+                entry,
                 op: "set times of",
-                path: dir.clone(),
+                path: self.dest.join(&rel),
                 source,
             })?;
         }
@@ -586,59 +1052,127 @@ impl<'a> Unpacker<'a> {
     }
 }
 
-enum LayerHit {
-    /// The layer has something at the path.
-    Found(Kind),
-    /// The layer hides the path from the layers below (whiteout, opaque or non-directory ancestor).
-    Hidden,
-    /// The layer says nothing about the path.
-    Absent,
+/// Names `entry`, the operation and the path (for messages) in an I/O error.
+fn io_at<'e>(
+    entry: &'e str,
+    op: &'static str,
+    path: &Path,
+) -> impl FnOnce(io::Error) -> UnpackError + 'e {
+    let path = path.to_path_buf();
+    move |source| UnpackError::EntryIo {
+        entry: entry.into(),
+        op,
+        path,
+        source,
+    }
 }
 
-fn layer_lookup(layer: &Path, rel: &Path) -> LayerHit {
-    match fs::symlink_metadata(layer.join(rel)) {
-        Ok(md) if is_whiteout(&md) => LayerHit::Hidden,
-        Ok(md) if md.is_dir() => LayerHit::Found(Kind::Dir),
-        Ok(md) if md.file_type().is_symlink() => match fs::read_link(layer.join(rel)) {
-            Ok(t) => LayerHit::Found(Kind::Symlink(t)),
-            Err(_) => LayerHit::Found(Kind::Other),
-        },
-        Ok(_) => LayerHit::Found(Kind::Other),
-        Err(_) => {
-            // Absent here; an ancestor may still hide the lower layers' copy.
-            let mut anc = rel.parent();
-            while let Some(a) = anc {
-                if a.as_os_str().is_empty() {
-                    break;
-                }
-                match fs::symlink_metadata(layer.join(a)) {
-                    Ok(md) if md.is_dir() => {
-                        if is_opaque(&layer.join(a)) {
-                            return LayerHit::Hidden;
-                        }
-                    }
-                    Ok(_) => return LayerHit::Hidden,
-                    Err(_) => {}
-                }
-                anc = a.parent();
+/// What `layer` has at `rel`, looked up one component at a time from the layer's root without
+/// following any symlink: a symlink, file or whiteout above `rel` hides it, as overlayfs does.
+fn layer_lookup(root: &File, rel: &Path) -> io::Result<LayerHit> {
+    let comps = rel
+        .components()
+        .map(|c| match c {
+            Component::Normal(n) => Ok(n),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not a clean relative path", rel.display()),
+            )),
+        })
+        .collect::<io::Result<Vec<&OsStr>>>()?;
+    let Some((last, parents)) = comps.split_last() else {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty path"));
+    };
+    let mut dir = root.try_clone()?;
+    let mut opaque = false;
+    for c in parents {
+        match at::stat(&dir, c)? {
+            None => {
+                return Ok(if opaque {
+                    LayerHit::Hidden
+                } else {
+                    LayerHit::Absent
+                })
             }
-            LayerHit::Absent
+            Some(st) if at::is_type(&st, SFlag::S_IFDIR) => {
+                dir = at::open_dir(&dir, c)?;
+                opaque |= is_opaque(&dir);
+            }
+            Some(_) => return Ok(LayerHit::Hidden),
+        }
+    }
+    match at::stat(&dir, last)? {
+        None if opaque => Ok(LayerHit::Hidden),
+        None => Ok(LayerHit::Absent),
+        Some(st) if is_whiteout(&st) => Ok(LayerHit::Hidden),
+        Some(st) => {
+            let kind = Kind::of(&st, || at::readlink(&dir, last))?;
+            Ok(LayerHit::Found(Found {
+                parent: dir,
+                name: last.to_os_string(),
+                st,
+                kind,
+            }))
         }
     }
 }
 
-fn is_whiteout(md: &fs::Metadata) -> bool {
-    md.file_type().is_char_device() && md.rdev() == 0
+fn is_whiteout(st: &FileStat) -> bool {
+    at::is_type(st, SFlag::S_IFCHR) && st.st_rdev == 0
 }
 
-fn is_opaque(dir: &Path) -> bool {
-    matches!(xattr::get(dir, OPAQUE_XATTR), Ok(Some(v)) if v == b"y")
+fn is_opaque(dir: &File) -> bool {
+    matches!(dir.get_xattr(OPAQUE_XATTR), Ok(Some(v)) if v == b"y")
+}
+
+/// Overlay's own attributes in a layer would let it redirect or hide lower content.
+fn wanted_xattr(name: &OsStr, entry: &str) -> bool {
+    if name.as_bytes().starts_with(b"trusted.overlay.") {
+        tracing::warn!(entry, xattr = ?name, "ignoring overlay xattr carried by a layer");
+        return false;
+    }
+    true
+}
+
+fn tolerate_unsupported(r: io::Result<()>, name: &OsStr, entry: &str) -> io::Result<()> {
+    match r {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => {
+            tracing::warn!(entry, xattr = ?name, "filesystem does not support this xattr");
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// Copies extended attributes between open files (overlay's own excepted), as copy-up does:
+/// a hard-linked binary keeps its `security.capability`.
+fn copy_xattrs(from: &File, to: &File, entry: &str) -> io::Result<()> {
+    let names = match from.list_xattr() {
+        Ok(n) => n,
+        Err(e) if e.raw_os_error() == Some(libc::ENOTSUP) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for name in names {
+        if name.as_bytes().starts_with(b"trusted.overlay.") {
+            continue;
+        }
+        if let Some(value) = from.get_xattr(&name)? {
+            tolerate_unsupported(to.set_xattr(&name, &value), &name, entry)?;
+        }
+    }
+    Ok(())
 }
 
 /// Splits an entry name into normal components. Leading `/` and `./` are dropped (absolute names
 /// are taken relative to the layer root, as docker does); a `..` that would climb above the root
 /// is an error.
 fn clean_components(p: &Path) -> Result<Vec<OsString>, String> {
+    if p.as_os_str().len() > MAX_NAME_BYTES {
+        return Err(format!(
+            "name is {} bytes long, more than {MAX_NAME_BYTES}",
+            p.as_os_str().len()
+        ));
+    }
     let mut out: Vec<OsString> = Vec::new();
     for c in p.components() {
         match c {
@@ -652,50 +1186,6 @@ fn clean_components(p: &Path) -> Result<Vec<OsString>, String> {
         }
     }
     Ok(out)
-}
-
-fn copy_content(r: &mut impl Read, f: &mut File) -> io::Result<()> {
-    let mut buf = vec![0u8; 128 * 1024];
-    loop {
-        let n = r.read(&mut buf)?;
-        if n == 0 {
-            return Ok(());
-        }
-        f.write_all(&buf[..n])?;
-    }
-}
-
-fn copy_up(from: &Path, to: &Path) -> io::Result<()> {
-    let md = fs::symlink_metadata(from)?;
-    if md.file_type().is_symlink() {
-        std::os::unix::fs::symlink(fs::read_link(from)?, to)?;
-    } else if md.is_file() {
-        fs::copy(from, to)?;
-        fs::set_permissions(to, fs::Permissions::from_mode(md.mode() & 0o7777))?;
-    } else {
-        return Err(io::Error::new(
-            io::ErrorKind::Unsupported,
-            "cannot copy up a special file",
-        ));
-    }
-    fchownat(
-        None,
-        to,
-        Some(Uid::from_raw(md.uid())),
-        Some(Gid::from_raw(md.gid())),
-        AtFlags::AT_SYMLINK_NOFOLLOW,
-    )?;
-    fs::set_permissions(to, fs::Permissions::from_mode(md.mode() & 0o7777)).or_else(|e| {
-        if md.file_type().is_symlink() {
-            Ok(())
-        } else {
-            Err(e)
-        }
-    })
-}
-
-fn set_times(path: &Path, t: filetime::FileTime) -> io::Result<()> {
-    filetime::set_symlink_file_times(path, t, t)
 }
 
 fn parse_pax_time(s: &str) -> Option<filetime::FileTime> {

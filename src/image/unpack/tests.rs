@@ -1,5 +1,7 @@
 use super::*;
+use std::fs;
 use std::io::Cursor;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 
 /// Builds a tar stream from entries described in a tiny DSL.
 enum E<'a> {
@@ -96,13 +98,108 @@ fn diff_id(tar: &[u8]) -> String {
 }
 
 fn unpack(tar: &[u8], dest: &Path, lowers: &[PathBuf]) -> Result<Unpacked, UnpackError> {
-    unpack_layer(Cursor::new(tar.to_vec()), dest, lowers, &diff_id(tar))
+    unpack_layer(
+        Cursor::new(tar.to_vec()),
+        dest,
+        lowers,
+        &diff_id(tar),
+        Limits::UNLIMITED,
+    )
 }
 
 fn layer_dir(root: &tempfile::TempDir, name: &str) -> PathBuf {
     let p = root.path().join(name);
     fs::create_dir(&p).unwrap();
     p
+}
+
+/// A file outside every layer root whose content, inode, link count and mtime must not change.
+struct Canary {
+    path: PathBuf,
+    content: Vec<u8>,
+    ino: u64,
+    nlink: u64,
+    mtime: i64,
+}
+
+impl Canary {
+    fn plant(path: &Path, content: &[u8]) -> Canary {
+        fs::write(path, content).unwrap();
+        filetime::set_file_mtime(path, filetime::FileTime::from_unix_time(1_234_567_890, 0))
+            .unwrap();
+        let md = fs::symlink_metadata(path).unwrap();
+        Canary {
+            path: path.to_path_buf(),
+            content: content.to_vec(),
+            ino: md.ino(),
+            nlink: md.nlink(),
+            mtime: md.mtime(),
+        }
+    }
+
+    fn assert_untouched(&self) {
+        let md = fs::symlink_metadata(&self.path)
+            .unwrap_or_else(|e| panic!("canary {}: {e}", self.path.display()));
+        assert_eq!(
+            (md.ino(), md.nlink(), md.mtime()),
+            (self.ino, self.nlink, self.mtime),
+            "canary {} (inode, links, mtime)",
+            self.path.display()
+        );
+        assert_eq!(
+            fs::read(&self.path).unwrap(),
+            self.content,
+            "canary content"
+        );
+    }
+}
+
+/// `T`, a temp dir: layer roots live in `T/store/`, a canary at `T/canary` outside all of them.
+struct Sandbox {
+    t: tempfile::TempDir,
+    canary: Canary,
+}
+
+impl Sandbox {
+    fn new() -> Sandbox {
+        let t = tempfile::tempdir().unwrap();
+        fs::create_dir(t.path().join("store")).unwrap();
+        let canary = Canary::plant(&t.path().join("canary"), b"canary");
+        Sandbox { t, canary }
+    }
+
+    /// `T`, canonical, so symlink targets written from it are what the kernel would follow.
+    fn path(&self) -> PathBuf {
+        self.t.path().canonicalize().unwrap()
+    }
+
+    fn layer(&self, name: &str) -> PathBuf {
+        let p = self.path().join("store").join(name);
+        fs::create_dir(&p).unwrap();
+        p
+    }
+
+    fn assert_untouched(&self) {
+        self.canary.assert_untouched();
+    }
+}
+
+/// Every regular file under `dir` whose content contains `needle`.
+fn files_containing(dir: &Path, needle: &[u8]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let md = fs::symlink_metadata(&p).unwrap();
+        if md.is_dir() {
+            stack.extend(fs::read_dir(&p).unwrap().map(|e| e.unwrap().path()));
+        } else if md.is_file() {
+            let data = fs::read(&p).unwrap();
+            if data.windows(needle.len()).any(|w| w == needle) {
+                out.push(p);
+            }
+        }
+    }
+    out
 }
 
 #[test]
@@ -219,71 +316,97 @@ fn lower_layer_symlinks_are_followed_inside_the_root() {
 
 #[test]
 fn symlink_escapes_are_contained() {
-    let root = tempfile::tempdir().unwrap();
-    let outside = root.path().join("outside");
+    let sb = Sandbox::new();
+    let l = sb.layer("l0");
+    // Each link, followed on the host from `<T>/store/l0`, reaches `<T>/outside`.
+    let outside = sb.path().join("outside");
     fs::create_dir(&outside).unwrap();
-    let l = layer_dir(&root, "l0");
-    // Absolute and relative links pointing out of the root, then writes through them.
+    let kept = Canary::plant(&outside.join("kept"), b"host file");
+    let in_image = outside.strip_prefix("/").unwrap();
+    let deep = format!("{}{}", "../".repeat(32), in_image.display());
     let t = tarball(&[
         E::Symlink("abs", outside.to_str().unwrap()),
         E::File("abs/pwned", b"x", 0o644),
-        E::Symlink("rel", "../../../../../../outside"),
+        E::Symlink("rel", "../../outside"),
         E::File("rel/pwned2", b"x", 0o644),
+        E::Symlink("deep", &deep),
+        E::File("deep/pwned3", b"x", 0o644),
+        // Overwrites through a link, too.
+        E::File("abs/kept", b"overwritten", 0o644),
     ]);
     unpack(&t, &l, &[]).unwrap();
-    assert_eq!(
-        fs::read_dir(&outside).unwrap().count(),
-        0,
-        "nothing written outside"
-    );
-    // Both landed inside the layer, where the links would resolve in a chroot.
-    let inside = l.join(outside.strip_prefix("/").unwrap()).join("pwned");
-    assert!(inside.exists(), "{}", inside.display());
-    assert!(l.join("outside/pwned2").exists());
+    let on_host: Vec<_> = fs::read_dir(&outside)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(on_host, ["kept"], "nothing written outside");
+    kept.assert_untouched();
+    sb.assert_untouched();
+    // Each landed inside the layer, where the link resolves in a chroot.
+    for p in ["pwned", "pwned3", "kept"] {
+        assert!(l.join(in_image).join(p).is_file(), "{p}");
+    }
+    assert!(l.join("outside/pwned2").is_file());
 }
 
 #[test]
 fn dotdot_names_are_rejected_with_the_entry_named() {
-    let root = tempfile::tempdir().unwrap();
-    let l = layer_dir(&root, "l0");
+    let sb = Sandbox::new();
+    let l = sb.layer("l0");
     let t = tarball(&[E::RawFile("../../escape", b"x")]);
-    let err = unpack(&t, &l, &[]).unwrap_err().to_string();
+    let result = unpack(&t, &l, &[]);
+    // `<T>/store/l0/../../escape` is `<T>/escape`: where a name taken as a host path lands.
+    let landing = l.join("../../escape");
+    assert_eq!(landing.parent().unwrap().canonicalize().unwrap(), sb.path());
+    assert!(!landing.exists(), "{} written", landing.display());
+    sb.assert_untouched();
+    let err = result.unwrap_err().to_string();
     assert!(
         err.contains("../../escape") && err.contains("climbs out"),
         "{err}"
     );
-    assert!(!root.path().join("escape").exists());
 }
 
 #[test]
 fn hardlink_cannot_reach_outside() {
-    let root = tempfile::tempdir().unwrap();
-    let secret = root.path().join("secret");
-    fs::write(&secret, b"s").unwrap();
-    let l = layer_dir(&root, "l0");
-    let t = tarball(&[E::Symlink("up", "/"), E::Hardlink("stolen", "up/../secret")]);
-    let err = unpack(&t, &l, &[]).unwrap_err().to_string();
+    let sb = Sandbox::new();
+    // `up/../secret` followed on the host: `up` is `<T>/host/sub`, so `..` is `<T>/host` and
+    // the name lands on `<T>/host/secret`.
+    let host = sb.path().join("host");
+    fs::create_dir_all(host.join("sub")).unwrap();
+    let secret = Canary::plant(&host.join("secret"), b"host secret");
+    let l = sb.layer("l0");
+    let t = tarball(&[
+        E::Symlink("up", host.join("sub").to_str().unwrap()),
+        E::Hardlink("stolen", "up/../secret"),
+    ]);
+    let result = unpack(&t, &l, &[]);
+    secret.assert_untouched();
+    sb.assert_untouched();
+    assert!(fs::symlink_metadata(l.join("stolen")).is_err());
+    let err = result.unwrap_err().to_string();
     assert!(
         err.contains("stolen") && err.contains("does not exist"),
         "{err}"
     );
-    assert_eq!(fs::metadata(&secret).unwrap().nlink(), 1);
 }
 
 #[test]
 fn directory_recreated_over_a_whiteout_is_opaque() {
-    let root = tempfile::tempdir().unwrap();
-    let l0 = layer_dir(&root, "l0");
+    let sb = Sandbox::new();
+    let host = sb.path().join("host");
+    fs::create_dir(&host).unwrap();
+    let l0 = sb.layer("l0");
     unpack(
         &tarball(&[
-            E::Symlink("data", "/etc"),
+            E::Symlink("data", host.to_str().unwrap()),
             E::File("old/stale", b"0", 0o644),
         ]),
         &l0,
         &[],
     )
     .unwrap();
-    let l1 = layer_dir(&root, "l1");
+    let l1 = sb.layer("l1");
     // Delete the lower symlink and directory, then recreate both names as fresh directories.
     let t = tarball(&[
         E::File(".wh.data", b"", 0o644),
@@ -296,7 +419,13 @@ fn directory_recreated_over_a_whiteout_is_opaque() {
         l1.join("data/f").exists(),
         "the whited-out symlink is not followed"
     );
-    assert!(!l1.join("etc").exists());
+    assert!(!l1.join(host.strip_prefix("/").unwrap()).exists());
+    assert_eq!(
+        fs::read_dir(&host).unwrap().count(),
+        0,
+        "nothing on the host"
+    );
+    sb.assert_untouched();
     for d in ["data", "old"] {
         assert_eq!(
             xattr::get(l1.join(d), OPAQUE_XATTR).unwrap().as_deref(),
@@ -311,7 +440,7 @@ fn diff_id_mismatch_is_an_error() {
     let root = tempfile::tempdir().unwrap();
     let l = layer_dir(&root, "l0");
     let t = tarball(&[E::File("a", b"1", 0o644)]);
-    let err = unpack_layer(Cursor::new(t), &l, &[], "sha256:0000").unwrap_err();
+    let err = unpack_layer(Cursor::new(t), &l, &[], "sha256:0000", Limits::UNLIMITED).unwrap_err();
     assert!(matches!(err, UnpackError::DiffIdMismatch { .. }), "{err}");
 }
 
@@ -326,7 +455,7 @@ fn gzip_and_zstd_layers_unpack_with_the_uncompressed_digest() {
     for (name, data) in [("gz", gz), ("zst", zst)] {
         let root = tempfile::tempdir().unwrap();
         let l = layer_dir(&root, name);
-        let u = unpack_layer(Cursor::new(data), &l, &[], &diff_id(&t)).unwrap();
+        let u = unpack_layer(Cursor::new(data), &l, &[], &diff_id(&t), Limits::UNLIMITED).unwrap();
         assert_eq!(u.diff_id, diff_id(&t));
         assert_eq!(fs::read(l.join("hello")).unwrap(), b"world", "{name}");
     }
@@ -370,4 +499,496 @@ fn opaque_lower_dir_hides_layers_below_it() {
     .unwrap();
     assert!(l2.join("d/x/f").exists());
     assert!(!l2.join("target").exists());
+}
+
+#[derive(Clone, Copy)]
+enum Escape {
+    Absolute,
+    Relative,
+    DeepRelative,
+}
+
+/// A symlink target that, followed on the host from `<T>/store/l0`, reaches `<T>/host/etc`:
+/// absolute, relative with one `..` per level, or relative with far more `..` than levels.
+fn escaping_target(sb: &Sandbox, which: Escape) -> String {
+    let host_etc = sb.path().join("host/etc");
+    match which {
+        Escape::Absolute => host_etc.display().to_string(),
+        Escape::Relative => "../../host/etc".into(),
+        Escape::DeepRelative => format!(
+            "{}{}",
+            "../".repeat(32),
+            host_etc.strip_prefix("/").unwrap().display()
+        ),
+    }
+}
+
+/// A layer with `a -> <target>` (a directory on the host), then a layer with a directory `a/`
+/// and a hard link `x -> a/shadow`.
+fn lower_symlink_then_hardlink_copy_up(which: Escape) {
+    let sb = Sandbox::new();
+    let target = escaping_target(&sb, which);
+    fs::create_dir_all(sb.path().join("host/etc")).unwrap();
+    let shadow = Canary::plant(&sb.path().join("host/etc/shadow"), b"HOST-SHADOW");
+    let l0 = sb.layer("l0");
+    unpack(&tarball(&[E::Symlink("a", &target)]), &l0, &[]).unwrap();
+    assert!(l0.join("a/shadow").exists(), "{target}: fixture escapes");
+    let l1 = sb.layer("l1");
+    // `a/` here is a directory of its own: in the merged view it hides the lower symlink, so
+    // `a/shadow` does not exist in the image.
+    let t = tarball(&[E::Dir("a/", 0o755), E::Hardlink("x", "a/shadow")]);
+    let result = unpack(&t, &l1, std::slice::from_ref(&l0));
+    let leaked = files_containing(&sb.path().join("store"), b"HOST-SHADOW");
+    assert!(
+        leaked.is_empty(),
+        "{target}: host file copied to {leaked:?}"
+    );
+    shadow.assert_untouched();
+    sb.assert_untouched();
+    let err = result.unwrap_err().to_string();
+    assert!(
+        err.contains("\"x\"") && err.contains("does not exist"),
+        "{target}: {err}"
+    );
+}
+
+#[test]
+fn lower_symlink_then_hardlink_copy_up_absolute() {
+    lower_symlink_then_hardlink_copy_up(Escape::Absolute);
+}
+
+#[test]
+fn lower_symlink_then_hardlink_copy_up_relative() {
+    lower_symlink_then_hardlink_copy_up(Escape::Relative);
+}
+
+#[test]
+fn lower_symlink_then_hardlink_copy_up_deep_relative() {
+    lower_symlink_then_hardlink_copy_up(Escape::DeepRelative);
+}
+
+#[test]
+fn hardlink_through_a_lower_symlink_reaches_the_in_image_file() {
+    let sb = Sandbox::new();
+    let host_etc = sb.path().join("host/etc");
+    fs::create_dir_all(&host_etc).unwrap();
+    let shadow = Canary::plant(&host_etc.join("shadow"), b"HOST-SHADOW");
+    let l0 = sb.layer("l0");
+    // In the image, `a` points at the image's own `<same path>/shadow`: a chroot's meaning.
+    let in_image = host_etc.strip_prefix("/").unwrap().join("shadow");
+    unpack(
+        &tarball(&[
+            E::Symlink("a", host_etc.to_str().unwrap()),
+            E::File(in_image.to_str().unwrap(), b"image shadow", 0o640),
+        ]),
+        &l0,
+        &[],
+    )
+    .unwrap();
+    let l1 = sb.layer("l1");
+    unpack(
+        &tarball(&[E::Hardlink("x", "a/shadow")]),
+        &l1,
+        std::slice::from_ref(&l0),
+    )
+    .unwrap();
+    assert_eq!(fs::read(l1.join(&in_image)).unwrap(), b"image shadow");
+    assert_eq!(
+        fs::metadata(l1.join("x")).unwrap().ino(),
+        fs::metadata(l1.join(&in_image)).unwrap().ino()
+    );
+    assert_eq!(
+        fs::metadata(l1.join("x")).unwrap().mode() & 0o7777,
+        0o640,
+        "copy-up keeps the mode"
+    );
+    shadow.assert_untouched();
+    sb.assert_untouched();
+}
+
+/// A layer with `d -> <target>` (a directory on the host), a layer with a directory `d/`, then
+/// a layer writing `d/sub/f` and `d/lnk/f`, where the host has `sub/` and `lnk -> /elsewhere`.
+fn lower_symlinked_dir_then_owner_and_mode_copy(which: Escape) {
+    let sb = Sandbox::new();
+    let host = sb.path().join("host");
+    let target = escaping_target(&sb, which).replace("host/etc", "host");
+    fs::create_dir_all(host.join("sub")).unwrap();
+    fs::set_permissions(host.join("sub"), fs::Permissions::from_mode(0o710)).unwrap();
+    std::os::unix::fs::chown(host.join("sub"), Some(1234), Some(5678)).unwrap();
+    // A host symlink the merged view must not see either.
+    std::os::unix::fs::symlink("/elsewhere", host.join("lnk")).unwrap();
+    let l0 = sb.layer("l0");
+    unpack(&tarball(&[E::Symlink("d", &target)]), &l0, &[]).unwrap();
+    assert!(l0.join("d/sub").is_dir(), "{target}: fixture escapes");
+    let l1 = sb.layer("l1");
+    unpack(
+        &tarball(&[E::Dir("d/", 0o755)]),
+        &l1,
+        std::slice::from_ref(&l0),
+    )
+    .unwrap();
+    let l2 = sb.layer("l2");
+    unpack(
+        &tarball(&[
+            E::File("d/sub/f", b"1", 0o644),
+            E::File("d/lnk/f", b"2", 0o644),
+        ]),
+        &l2,
+        &[l1.clone(), l0.clone()],
+    )
+    .unwrap();
+    // `d` is l1's own directory, which hides l0's symlink: `d/sub` is new, 0755 root.
+    let sub = fs::metadata(l2.join("d/sub")).unwrap();
+    assert_eq!(
+        (sub.mode() & 0o7777, sub.uid(), sub.gid()),
+        (0o755, 0, 0),
+        "{target}: owner and mode of d/sub"
+    );
+    assert!(l2.join("d/lnk/f").is_file(), "{target}");
+    assert!(
+        !l2.join("elsewhere").exists(),
+        "{target}: a host symlink was followed"
+    );
+    let host_sub = fs::metadata(host.join("sub")).unwrap();
+    assert_eq!(
+        (host_sub.mode() & 0o7777, host_sub.uid(), host_sub.gid()),
+        (0o710, 1234, 5678)
+    );
+    assert_eq!(fs::read_dir(host.join("sub")).unwrap().count(), 0);
+    sb.assert_untouched();
+}
+
+#[test]
+fn lower_symlinked_dir_then_owner_and_mode_copy_absolute() {
+    lower_symlinked_dir_then_owner_and_mode_copy(Escape::Absolute);
+}
+
+#[test]
+fn lower_symlinked_dir_then_owner_and_mode_copy_relative() {
+    lower_symlinked_dir_then_owner_and_mode_copy(Escape::Relative);
+}
+
+#[test]
+fn lower_symlinked_dir_then_owner_and_mode_copy_deep_relative() {
+    lower_symlinked_dir_then_owner_and_mode_copy(Escape::DeepRelative);
+}
+
+#[test]
+fn dotdot_in_a_lower_symlink_resolves_inside_the_root() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    unpack(
+        &tarball(&[
+            E::Dir("usr/lib/", 0o755),
+            E::Symlink("a/b", "../usr/lib"),
+            E::Symlink("a/deep", "../../../../../../usr/lib"),
+        ]),
+        &l0,
+        &[],
+    )
+    .unwrap();
+    let l1 = sb.layer("l1");
+    unpack(
+        &tarball(&[
+            E::File("a/b/f", b"1", 0o644),
+            E::File("a/deep/g", b"2", 0o644),
+        ]),
+        &l1,
+        std::slice::from_ref(&l0),
+    )
+    .unwrap();
+    assert_eq!(fs::read(l1.join("usr/lib/f")).unwrap(), b"1");
+    assert_eq!(fs::read(l1.join("usr/lib/g")).unwrap(), b"2");
+    sb.assert_untouched();
+}
+
+#[test]
+fn copy_up_keeps_owner_mode_xattrs_and_mtime_of_the_lower_file() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    unpack(
+        &tarball(&[
+            E::FileOwned("bin/ping", b"elf", 0o4750, 7, 8),
+            E::Xattr("bin/cap", "user.cap", b"net_raw"),
+            E::Symlink("bin/sh", "busybox"),
+            E::Fifo("run/ctl"),
+        ]),
+        &l0,
+        &[],
+    )
+    .unwrap();
+    let l1 = sb.layer("l1");
+    unpack(
+        &tarball(&[
+            E::Hardlink("ping2", "bin/ping"),
+            E::Hardlink("cap2", "bin/cap"),
+            E::Hardlink("sh2", "bin/sh"),
+            E::Hardlink("ctl2", "run/ctl"),
+        ]),
+        &l1,
+        std::slice::from_ref(&l0),
+    )
+    .unwrap();
+    let ping = fs::metadata(l1.join("bin/ping")).unwrap();
+    assert_eq!(
+        (ping.mode() & 0o7777, ping.uid(), ping.gid(), ping.mtime()),
+        (0o4750, 7, 8, 1_600_000_000)
+    );
+    assert_eq!(ping.ino(), fs::metadata(l1.join("ping2")).unwrap().ino());
+    assert_eq!(fs::read(l1.join("ping2")).unwrap(), b"elf");
+    assert_eq!(
+        xattr::get(l1.join("cap2"), "user.cap").unwrap().as_deref(),
+        Some(&b"net_raw"[..])
+    );
+    assert_eq!(
+        fs::read_link(l1.join("sh2")).unwrap(),
+        PathBuf::from("busybox")
+    );
+    assert!(fs::symlink_metadata(l1.join("ctl2"))
+        .unwrap()
+        .file_type()
+        .is_fifo());
+    sb.assert_untouched();
+}
+
+#[test]
+fn hardlink_to_a_lower_file_under_an_opaque_dir_does_not_exist() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    unpack(&tarball(&[E::File("d/f", b"old", 0o644)]), &l0, &[]).unwrap();
+    let l1 = sb.layer("l1");
+    let err = unpack(
+        &tarball(&[
+            E::File("d/.wh..wh..opq", b"", 0o644),
+            E::Hardlink("x", "d/f"),
+        ]),
+        &l1,
+        std::slice::from_ref(&l0),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("does not exist"), "{err}");
+}
+
+#[test]
+fn replacing_a_directory_removes_its_symlinks_without_following_them() {
+    let sb = Sandbox::new();
+    let host = sb.path().join("host");
+    fs::create_dir(&host).unwrap();
+    let kept = Canary::plant(&host.join("kept"), b"host file");
+    let l = sb.layer("l0");
+    unpack(
+        &tarball(&[
+            E::Dir("d/", 0o755),
+            E::Symlink("d/out", host.to_str().unwrap()),
+            E::File("d", b"now a file", 0o644),
+        ]),
+        &l,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(fs::read(l.join("d")).unwrap(), b"now a file");
+    kept.assert_untouched();
+    assert_eq!(fs::read_dir(&host).unwrap().count(), 1);
+    sb.assert_untouched();
+}
+
+#[test]
+fn names_longer_than_path_max_are_rejected() {
+    let sb = Sandbox::new();
+    let l = sb.layer("l0");
+    let long = "d/".repeat(2100) + "f";
+    let err = unpack(&tarball(&[E::File(&long, b"x", 0o644)]), &l, &[])
+        .map_err(|e| crate::error::chain(&e))
+        .unwrap_err();
+    assert!(err.contains("more than 4096"), "{err}");
+    assert_eq!(fs::read_dir(&l).unwrap().count(), 0, "nothing created");
+}
+
+fn unpack_limited(tar: &[u8], dest: &Path, limits: Limits) -> Result<Unpacked, UnpackError> {
+    unpack_layer(Cursor::new(tar.to_vec()), dest, &[], &diff_id(tar), limits)
+}
+
+fn bytes(max_bytes: u64) -> Limits {
+    Limits {
+        max_bytes,
+        max_entries: 0,
+    }
+}
+
+#[test]
+fn the_byte_bound_counts_the_uncompressed_stream() {
+    let sb = Sandbox::new();
+    let data = vec![7u8; 1 << 20];
+    let t = tarball(&[E::File("big", &data, 0o644)]);
+    // The whole stream fits exactly.
+    unpack_limited(&t, &sb.layer("fits"), bytes(t.len() as u64)).unwrap();
+    let err = unpack_limited(&t, &sb.layer("over"), bytes(t.len() as u64 - 1)).unwrap_err();
+    assert!(
+        matches!(err, UnpackError::TooLarge { limit, .. } if limit == t.len() as u64 - 1),
+        "{err}"
+    );
+    let err = unpack_limited(&t, &sb.layer("small"), bytes(64 << 10))
+        .map_err(|e| crate::error::chain(&e))
+        .unwrap_err();
+    assert!(
+        err.contains("image.max_layer_unpacked_bytes = 65536") && err.contains("\"big\""),
+        "{err}"
+    );
+    // Bytes after the end of the archive count too (they are hashed, so they are read).
+    let mut padded = tarball(&[E::File("a", b"1", 0o644)]);
+    let len = padded.len() as u64;
+    padded.extend(std::iter::repeat_n(0u8, 1 << 20));
+    let err = unpack_limited(&padded, &sb.layer("padded"), bytes(len + 4096)).unwrap_err();
+    assert!(matches!(err, UnpackError::TooLarge { .. }), "{err}");
+}
+
+#[test]
+fn the_byte_bound_counts_what_a_sparse_file_expands_to() {
+    let sb = Sandbox::new();
+    // One 512-byte GNU sparse header describing a 1 GiB hole: tiny stream, 1 GiB of zeros.
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::GNUSparse);
+    h.set_path("sparse").unwrap();
+    h.set_mode(0o644);
+    h.set_size(0);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(1_600_000_000);
+    let gnu = h.as_gnu_mut().unwrap();
+    gnu.set_real_size(1 << 30);
+    gnu.sparse[0].set_offset(1 << 30);
+    gnu.sparse[0].set_length(0);
+    h.set_cksum();
+    let mut b = tar::Builder::new(Vec::new());
+    b.append(&h, io::empty()).unwrap();
+    let t = b.into_inner().unwrap();
+    assert!(t.len() < 4096);
+    let l = sb.layer("l0");
+    let err = unpack_limited(&t, &l, bytes(1 << 20))
+        .map_err(|e| crate::error::chain(&e))
+        .unwrap_err();
+    assert!(
+        err.contains("image.max_layer_unpacked_bytes = 1048576") && err.contains("\"sparse\""),
+        "{err}"
+    );
+    assert!(fs::metadata(l.join("sparse")).unwrap().len() <= 1 << 20);
+}
+
+#[test]
+fn the_entry_bound_counts_implied_parent_directories() {
+    let sb = Sandbox::new();
+    let entries = |n| Limits {
+        max_bytes: 0,
+        max_entries: n,
+    };
+    let t = tarball(&[
+        E::File("a", b"1", 0o644),
+        E::File("b", b"1", 0o644),
+        E::Hardlink("c", "a"),
+    ]);
+    unpack_limited(&t, &sb.layer("fits"), entries(3)).unwrap();
+    let err = unpack_limited(&t, &sb.layer("over"), entries(2))
+        .map_err(|e| crate::error::chain(&e))
+        .unwrap_err();
+    assert!(
+        err.contains("image.max_layer_entries = 2") && err.contains("\"c\""),
+        "{err}"
+    );
+    // One entry, seven names: six directories the tar never lists, and the file.
+    let deep = tarball(&[E::File("1/2/3/4/5/6/f", b"1", 0o644)]);
+    unpack_limited(&deep, &sb.layer("deep_fits"), entries(7)).unwrap();
+    let err = unpack_limited(&deep, &sb.layer("deep_over"), entries(6)).unwrap_err();
+    assert!(
+        matches!(err, UnpackError::TooManyEntries { limit: 6, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn entry_headers_held_in_memory_are_bounded() {
+    let sb = Sandbox::new();
+    let huge = vec![b'a'; (MAX_ENTRY_HEADER_BYTES + (1 << 20)) as usize];
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_size(1);
+    b.append_data(&mut h, "first", &b"1"[..]).unwrap();
+    b.append_pax_extensions([("comment", &huge[..])]).unwrap();
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_size(1);
+    b.append_data(&mut h, "second", &b"2"[..]).unwrap();
+    let t = b.into_inner().unwrap();
+    let err = unpack_limited(&t, &sb.layer("l0"), Limits::UNLIMITED)
+        .map_err(|e| crate::error::chain(&e))
+        .unwrap_err();
+    assert!(
+        err.contains("headers") && err.contains("4194304") && err.contains("\"first\""),
+        "{err}"
+    );
+    // Headers under the bound are fine.
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_pax_extensions([("comment", &huge[..1 << 20])])
+        .unwrap();
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_size(1);
+    b.append_data(&mut h, "ok", &b"1"[..]).unwrap();
+    let t = b.into_inner().unwrap();
+    unpack_limited(&t, &sb.layer("l1"), Limits::UNLIMITED).unwrap();
+}
+
+#[test]
+fn paths_nested_deeper_than_path_max_through_symlinks_are_rejected() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    let deep = "d/".repeat(2000);
+    unpack(&tarball(&[E::Symlink("s", &deep)]), &l0, &[]).unwrap();
+    let l1 = sb.layer("l1");
+    let name = format!("s/{}f", "e/".repeat(100));
+    let err = unpack(
+        &tarball(&[E::File(&name, b"x", 0o644)]),
+        &l1,
+        std::slice::from_ref(&l0),
+    )
+    .map_err(|e| crate::error::chain(&e))
+    .unwrap_err();
+    assert!(err.contains("resolves to a path longer than 4096"), "{err}");
+}
+
+#[test]
+fn disk_usage_measures_deep_trees_and_follows_no_symlink() {
+    let sb = Sandbox::new();
+    let host = sb.path().join("host");
+    fs::create_dir(&host).unwrap();
+    fs::write(host.join("big"), vec![1u8; 1 << 20]).unwrap();
+    let l = sb.layer("l0");
+    // 1500 levels of 5 bytes: deeper than PATH_MAX, so only a descriptor walk gets there.
+    let mut dir = at::open_root(&l).unwrap();
+    for _ in 0..1500 {
+        at::mkdir(&dir, OsStr::new("dddd")).unwrap();
+        dir = at::open_dir(&dir, OsStr::new("dddd")).unwrap();
+    }
+    let mut f = at::create(&dir, OsStr::new("leaf")).unwrap();
+    f.write_all(&[2u8; 8192]).unwrap();
+    let (bytes, inodes) = disk_usage(&l).unwrap();
+    // The root, 1500 directories and the leaf.
+    assert_eq!(inodes, 1502);
+    assert!(bytes >= 1500 * 4096 + 8192, "{bytes}");
+    // A symlink to a host directory adds itself (stored inline), not what it points to.
+    std::os::unix::fs::symlink(&host, l.join("out")).unwrap();
+    assert_eq!(disk_usage(&l).unwrap(), (bytes, inodes + 1));
 }
