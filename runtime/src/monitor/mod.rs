@@ -13,6 +13,7 @@
 //! `start`) → `Exited` (reaped here, exit recorded). `Delete` removes an exited or created one.
 
 mod infra;
+mod joined_pid;
 pub mod log;
 mod service;
 pub mod wire;

@@ -16,7 +16,7 @@ use tokio::io::AsyncReadExt;
 use prost::Message as _;
 
 use super::wire::{self, Method, Status};
-use super::{infra, now_nanos, reap, Ctr, Phase, Shared};
+use super::{infra, joined_pid, now_nanos, reap, Ctr, Phase, Shared};
 use crate::logs::{LogWriter, Stream};
 
 /// Output kept from one ExecSync stream; the rest is read and dropped (kubelet probes want the
@@ -412,6 +412,11 @@ impl Svc {
         let console_path = console.as_ref().map(|c| c.path.clone());
         let started = std::time::Instant::now();
         let pid = in_helper(&self.state, move || {
+            // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
+            // held until the create returns.
+            let _mount_ns = joined_pid::prepare(&bundle_for_helper).map_err(|e| {
+                Status::internal(format!("prepare container {id}'s mount namespace: {e}"))
+            })?;
             let c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_root_path(root)
                 .map_err(|e| lc_err("state root", e))?

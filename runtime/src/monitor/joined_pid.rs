@@ -1,0 +1,188 @@
+//! A container that joins an existing PID namespace (its pod's shared one, or another
+//! container's for TARGET) gets, until its pivot_root, a /proc of that namespace.
+//!
+//! Why: on cgroup v1 and hybrid hosts libcontainer 0.7's init, mounting the container's cgroup
+//! filesystems (`rootfs/mount.rs`, `mount_cgroup_v1`), reads `/proc/<getppid()>/cgroup`, and
+//! its own pid when getppid() is 0. Its parent (the monitor's helper) is outside the joined
+//! namespace, so getppid() is 0 and the pid is the init's pid *in that namespace*, looked up in
+//! the /proc the init inherited from the helper: the host's. Once the namespace has handed out
+//! a few pids that names another host process or none (`NotFound("/proc/11")`) and the create
+//! fails with "failed to prepare rootfs". (An init with a PID namespace of its own is pid 1 and
+//! finds the host's init; one in the host's namespace finds its real parent.)
+//!
+//! So the container's mount namespace is made here instead of being unshared by the init: a
+//! process forked into the joined PID namespace unshares one and mounts that namespace's procfs
+//! on /proc, and the spec names it, so the init enters it (where it would have unshared a copy
+//! of the helper's) and finds itself in /proc. The rest of the tree is the copy the init would
+//! have made; the helper, libcontainer's intermediate process and the hooks it runs in the
+//! runtime's namespaces keep the host's /proc.
+
+use std::io::{BufRead, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::fcntl::{open, OFlag};
+use nix::mount::{mount, MsFlags};
+use nix::sched::{setns, unshare, CloneFlags};
+use nix::sys::stat::Mode;
+use nix::unistd::{fork, ForkResult};
+
+/// The prepared mount namespace, named in the bundle's config.json while this lives; dropping
+/// it puts back the daemon's config.json.
+pub(super) struct MountNs {
+    /// Held so the namespace outlives the process that made it; the spec names it through
+    /// this process's fd table.
+    _ns: OwnedFd,
+    config: PathBuf,
+    original: Vec<u8>,
+}
+
+impl Drop for MountNs {
+    fn drop(&mut self) {
+        if let Err(e) = replace(&self.config, &self.original) {
+            tracing::warn!(file = %self.config.display(), error = %e, "restore the container's spec");
+        }
+    }
+}
+
+/// When the bundle's spec joins a PID namespace by path and would unshare a mount namespace,
+/// prepares that mount namespace and names it in the spec. Runs in the throwaway helper that
+/// then calls libcontainer; keep the result alive until libcontainer's create returns.
+pub(super) fn prepare(bundle: &Path) -> Result<Option<MountNs>, String> {
+    let config = bundle.join("config.json");
+    let original = std::fs::read(&config).map_err(|e| format!("read {}: {e}", config.display()))?;
+    let mut spec: serde_json::Value = serde_json::from_slice(&original)
+        .map_err(|e| format!("parse {}: {e}", config.display()))?;
+    let Some(namespaces) = spec
+        .pointer_mut("/linux/namespaces")
+        .and_then(|n| n.as_array_mut())
+    else {
+        return Ok(None);
+    };
+    let of_type = |n: &serde_json::Value, t: &str| n["type"].as_str() == Some(t);
+    let Some(pid_ns) = namespaces
+        .iter()
+        .find(|n| of_type(n, "pid"))
+        .and_then(|n| n["path"].as_str())
+        .map(str::to_string)
+    else {
+        return Ok(None);
+    };
+    let Some(mnt) = namespaces
+        .iter_mut()
+        .find(|n| of_type(n, "mount") && n.get("path").is_none())
+    else {
+        return Ok(None);
+    };
+    let ns = mount_ns_with_proc_of(&pid_ns)?;
+    mnt["path"] = serde_json::json!(format!(
+        "/proc/{}/fd/{}",
+        std::process::id(),
+        ns.as_raw_fd()
+    ));
+    let edited = serde_json::to_vec(&spec).expect("a parsed spec serializes");
+    replace(&config, &edited).map_err(|e| format!("write {}: {e}", config.display()))?;
+    Ok(Some(MountNs {
+        _ns: ns,
+        config,
+        original,
+    }))
+}
+
+/// Writes `bytes` to `path` through a temp file and a rename (never a half-written spec),
+/// keeping the file's mode.
+fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    if let Ok(md) = std::fs::metadata(path) {
+        f.set_permissions(md.permissions())?;
+    }
+    f.write_all(bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// A new mount namespace, a copy of this process's, with the procfs of the PID namespace at
+/// `pid_ns` on /proc.
+fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd, String> {
+    let open_ns = |p: &str| {
+        open(p, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
+            .map(|fd| {
+                // SAFETY: open just returned this fd; nothing else owns it.
+                unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) }
+            })
+            .map_err(|e| format!("open {p}: {e}"))
+    };
+    let target = open_ns(pid_ns)?;
+    let own = open_ns("/proc/self/ns/pid")?;
+    let pipe = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"));
+    let (ready_r, ready_w) = pipe()?;
+    let (hold_r, hold_w) = pipe()?;
+    setns(&target, CloneFlags::CLONE_NEWPID)
+        .map_err(|e| format!("join PID namespace {pid_ns}: {e}"))?;
+    // SAFETY: the helper is single-threaded (forked from the single-threaded monitor).
+    let forked = unsafe { fork() };
+    if let Ok(ForkResult::Child) = forked {
+        drop(ready_r);
+        drop(hold_w);
+        mounter(ready_w, hold_r)
+    }
+    // What this process forks next (libcontainer's intermediate process) must be born in our
+    // own PID namespace, as libcontainer expects: the init pid it reports is then the one the
+    // monitor waits for and signals.
+    let restored = setns(&own, CloneFlags::CLONE_NEWPID);
+    let child = match forked {
+        Ok(ForkResult::Parent { child }) => child,
+        Ok(ForkResult::Child) => unreachable!("the child never returns"),
+        Err(e) => return Err(format!("fork into PID namespace {pid_ns}: {e}")),
+    };
+    drop(ready_w);
+    drop(hold_r);
+    let mut report = String::new();
+    let _ = std::io::BufReader::new(std::fs::File::from(ready_r)).read_line(&mut report);
+    let result = match (restored, report.trim_end()) {
+        (Err(e), _) => Err(format!("return to the monitor's PID namespace: {e}")),
+        (Ok(()), "ok") => open_ns(&format!("/proc/{}/ns/mnt", child.as_raw())),
+        (Ok(()), r) => Err(format!(
+            "mount the procfs of PID namespace {pid_ns}: {}",
+            r.strip_prefix('E').unwrap_or("the mounting process died")
+        )),
+    };
+    // The namespace is held by `result`'s fd now (or not needed): let the process go.
+    drop(hold_w);
+    let _ = nix::sys::wait::waitpid(child, None);
+    result
+}
+
+/// Runs in the child forked into the joined PID namespace: never returns.
+fn mounter(ready: OwnedFd, hold: OwnedFd) -> ! {
+    let setup = || -> Result<(), String> {
+        unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare mount namespace: {e}"))?;
+        // Only our copy of the /proc mount leaves its peer group, so the procfs mounted on it
+        // stays here; the rest of the tree keeps the propagation libcontainer then sets.
+        mount(
+            None::<&str>,
+            "/proc",
+            None::<&str>,
+            MsFlags::MS_PRIVATE,
+            None::<&str>,
+        )
+        .map_err(|e| format!("make /proc private: {e}"))?;
+        mount(
+            Some("proc"),
+            "/proc",
+            Some("proc"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            None::<&str>,
+        )
+        .map_err(|e| format!("mount proc: {e}"))
+    };
+    let msg = match setup() {
+        Ok(()) => "ok\n".to_string(),
+        Err(e) => format!("E{}\n", e.replace('\n', " ")),
+    };
+    let _ = std::fs::File::from(ready).write_all(msg.as_bytes());
+    // Stay until the helper holds the namespace (it closes the pipe).
+    let _ = std::fs::File::from(hold).read(&mut [0u8; 1]);
+    // SAFETY: leave without running the parent's destructors or atexit handlers.
+    unsafe { libc::_exit(0) }
+}
