@@ -1,22 +1,20 @@
-//! `hako serve`: opens the store, binds the CRI socket, serves until SIGTERM/SIGINT.
+//! `hako serve`: opens the store, binds the CRI socket, serves (`server::run`) until
+//! SIGTERM/SIGINT.
 //!
-//! Shutdown: stop accepting, let in-flight calls finish (bounded by `SHUTDOWN_GRACE`), drop the
-//! store (redb flushes on drop), remove the socket, exit 0.
+//! Shutdown: stop accepting, let in-flight calls finish (bounded by `server::SHUTDOWN_GRACE`),
+//! drop the store (redb flushes on drop), remove the socket, exit 0.
 
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::UnixListener;
 
 use crate::config::Config;
-use crate::error::{chain, Error, Result};
+use crate::error::{Error, Result};
 use crate::image::Images;
 use crate::store::Store;
-
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 /// Everything the CRI handlers reach.
 pub struct Daemon {
@@ -168,46 +166,6 @@ pub fn bind(path: &Path) -> Result<UnixListener> {
     Ok(listener)
 }
 
-/// Serves CRI on `listener` until `shutdown` resolves; then in-flight calls get
-/// `SHUTDOWN_GRACE` to finish. Tests call this directly with a temp socket.
-pub async fn run(
-    listener: UnixListener,
-    daemon: Arc<Daemon>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> Result<()> {
-    let (runtime, image) = crate::server::services(daemon);
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = signalled_tx.send(());
-        let _ = stop_tx.send(());
-    });
-    let server = tonic::transport::Server::builder()
-        .add_service(runtime)
-        .add_service(image)
-        .serve_with_incoming_shutdown(incoming, async {
-            let _ = stop_rx.await;
-        });
-    tokio::pin!(server);
-    tokio::select! {
-        r = &mut server => return r.map_err(|e| Error::Internal(format!("grpc server: {}", chain(&e)))),
-        _ = signalled_rx => {}
-    }
-    tracing::info!("shutting down: finishing in-flight calls");
-    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
-        Ok(r) => r.map_err(|e| Error::Internal(format!("grpc server: {}", chain(&e)))),
-        Err(_) => {
-            tracing::warn!(
-                grace_s = SHUTDOWN_GRACE.as_secs(),
-                "in-flight calls still running at the end of the grace period"
-            );
-            Ok(())
-        }
-    }
-}
-
 /// Installs the SIGTERM and SIGINT handlers now, so a signal that arrives as soon as readiness
 /// is announced is not lost to the default action; the future resolves on the first of them.
 pub fn signalled() -> Result<impl Future<Output = ()> + Send + 'static> {
@@ -233,7 +191,7 @@ pub async fn serve(config: Config) -> Result<()> {
     let listener = bind(&listen)?;
     tracing::info!(socket = %listen.display(), version = env!("CARGO_PKG_VERSION"), "hako serving CRI");
     crate::notify::ready();
-    let result = run(listener, daemon.clone(), shutdown).await;
+    let result = crate::server::run(listener, daemon.clone(), shutdown).await;
     crate::notify::stopping();
     let _ = std::fs::remove_file(&listen);
     drop(daemon);

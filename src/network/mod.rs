@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::config::CniConfig;
 use crate::error::{Error, Result};
-use crate::pods::PodSpec;
+use crate::pods::types::PodSpec;
 pub use cni::{Attachment, Cached, Cni};
 
 /// The pod's interface name, as every CRI runtime names it.
@@ -165,7 +165,7 @@ fn parse_quantity(q: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pods::{Dns, PortMapping};
+    use crate::pods::types::{Dns, PortMapping};
 
     #[test]
     fn runtime_config_carries_ports_dns_bandwidth_and_ranges() {

@@ -5,13 +5,18 @@ mod convert;
 mod image;
 mod runtime;
 
+use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_cri::v1::image_service_server::ImageServiceServer;
 use k8s_cri::v1::runtime_service_server::RuntimeServiceServer;
 
 use crate::daemon::Daemon;
 use crate::error::{chain, Error};
+
+/// How long in-flight calls get to finish once shutdown is asked for.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 /// The CRI services over `daemon`, ready to add to a tonic server.
 pub fn services(
@@ -32,6 +37,46 @@ pub fn services(
             .max_decoding_message_size(MAX_MSG)
             .max_encoding_message_size(MAX_MSG),
     )
+}
+
+/// Serves CRI on `listener` until `shutdown` resolves; then in-flight calls get
+/// `SHUTDOWN_GRACE` to finish. Tests call this directly with a temp socket.
+pub async fn run(
+    listener: tokio::net::UnixListener,
+    daemon: Arc<Daemon>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> crate::error::Result<()> {
+    let (runtime, image) = services(daemon);
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = signalled_tx.send(());
+        let _ = stop_tx.send(());
+    });
+    let server = tonic::transport::Server::builder()
+        .add_service(runtime)
+        .add_service(image)
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stop_rx.await;
+        });
+    tokio::pin!(server);
+    tokio::select! {
+        r = &mut server => return r.map_err(|e| Error::Internal(format!("grpc server: {}", chain(&e)))),
+        _ = signalled_rx => {}
+    }
+    tracing::info!("shutting down: finishing in-flight calls");
+    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+        Ok(r) => r.map_err(|e| Error::Internal(format!("grpc server: {}", chain(&e)))),
+        Err(_) => {
+            tracing::warn!(
+                grace_s = SHUTDOWN_GRACE.as_secs(),
+                "in-flight calls still running at the end of the grace period"
+            );
+            Ok(())
+        }
+    }
 }
 
 /// The one place where error kinds become gRPC codes. Logged here, once, with the RPC name.

@@ -15,13 +15,9 @@ use tokio::io::AsyncReadExt;
 
 use prost::Message as _;
 
-use super::wire::{self, Method, Status};
+use super::wire::{self, Method, Status, EXEC_OUTPUT_CAP};
 use super::{infra, joined_pid, now_nanos, reap, Ctr, Phase, Shared};
 use crate::logs::{LogWriter, Stream};
-
-/// Output kept from one ExecSync stream; the rest is read and dropped (kubelet probes want the
-/// start of the output, and a runaway command must not grow the monitor).
-pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
 
 #[derive(Clone)]
 struct Svc {

@@ -12,8 +12,12 @@
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// Output kept from one ExecSync stream; the rest is read and dropped (kubelet probes want the
+/// start of the output, and a runaway command must not grow the monitor).
+pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
+
 /// The largest frame either side accepts: two capped ExecSync outputs and change.
-pub const MAX_FRAME: usize = 2 * super::service::EXEC_OUTPUT_CAP + 64 * 1024;
+pub const MAX_FRAME: usize = 2 * EXEC_OUTPUT_CAP + 64 * 1024;
 
 /// The calls, as numbered on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,592 @@
+//! The container room: CreateContainer (gathering from the host what the pure spec in
+//! spec.rs needs, then the bundle and the monitor's create), Start/Stop/Update/Remove,
+//! status and list, ExecSync, ReopenContainerLog and a container's usage.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hako_proto::monitor as pb;
+use hako_runtime::spec as oci;
+
+use super::host::{cgroup_usage, kill_cgroup, now_nanos, remove_cgroup};
+use super::spec::{self, parse_signal};
+use super::{
+    apply_state, new_id, rootfs, ContainerRecord, ContainerSpecReq, ContainerState, ContainerView,
+    DeviceReq, ExecOutput, ExitInfo, NsMode, PodRecord, PodState, Runtime, Security, Undo, Usage,
+};
+use crate::error::{chain, Error, Result};
+use crate::store::{Table, RECORD_VERSION};
+
+/// The largest Localhost seccomp profile read (Docker's default profile is about 20 KiB).
+const SECCOMP_PROFILE_CAP: u64 = 1 << 20;
+
+impl Runtime {
+    /// Current resource usage of a container.
+    pub fn container_usage(&self, c: &ContainerRecord) -> Usage {
+        let (timestamp, sample, nano_cores) =
+            cgroup_usage(&self.cpu_samples, &c.id, &c.cgroups_path);
+        let upper = self.layer_dir(&c.id).join("upper");
+        let (writable_bytes, writable_inodes) =
+            crate::image::unpack::disk_usage(&upper).unwrap_or((0, 0));
+        Usage {
+            timestamp,
+            sample,
+            nano_cores,
+            writable_bytes,
+            writable_inodes,
+            writable_mountpoint: self.root_dir.join("containers"),
+        }
+    }
+
+    /// CreateContainer: prepares the rootfs and config, has the pod's monitor create it.
+    pub async fn create_container(&self, pod_id: &str, req: ContainerSpecReq) -> Result<String> {
+        let pod = self.pod(pod_id)?;
+        if pod.state != PodState::Ready {
+            return Err(Error::FailedPrecondition(format!(
+                "pod sandbox {} is not ready",
+                pod.id
+            )));
+        }
+        if req.name.is_empty() {
+            return Err(Error::InvalidArgument(
+                "container metadata needs a name".into(),
+            ));
+        }
+        let t0 = std::time::Instant::now();
+        // libcontainer moves the container into its cgroups some ms from now.
+        let _warm = hako_runtime::cgroup_warm::hold();
+        let key = req.reservation(&pod.id);
+        let _guard = self.name_lock(&key).await;
+        if let Some(existing) = self.store.reserved(&key)? {
+            if let Some(c) = self
+                .store
+                .get::<ContainerRecord>(Table::Containers, &existing)?
+            {
+                if c.spec == req {
+                    return Ok(c.id);
+                }
+            }
+            return Err(Error::AlreadyExists(format!(
+                "container name {key} is reserved by container {existing}"
+            )));
+        }
+        let image = self.images.find(&req.image)?.ok_or_else(|| {
+            Error::NotFound(format!("image {:?} not found: pull it first", req.image))
+        })?;
+        let config: serde_json::Value =
+            serde_json::from_slice(&self.images.read_content(&image.id)?)
+                .map_err(|e| Error::Internal(format!("image {} config: {e}", image.id)))?;
+        let id = new_id();
+        let mut undo = Undo::default();
+        self.reserve(&key, &id, &mut undo)?;
+        self.store.pin(&id, &image.chain_ids)?;
+        {
+            let (store, id) = (self.store.clone(), id.clone());
+            undo.push(move || {
+                let _ = store.unpin(&id);
+            });
+        }
+        let bundle = self.bundle_dir(&id);
+        let layer = self.layer_dir(&id);
+        {
+            let (b, l) = (bundle.clone(), layer.clone());
+            undo.push(move || {
+                let _ = rootfs::unmount(&b.join("rootfs"));
+                let _ = std::fs::remove_dir_all(&b);
+                let _ = std::fs::remove_dir_all(&l);
+            });
+        }
+        let lowers: Vec<PathBuf> = image
+            .chain_ids
+            .iter()
+            .rev()
+            .map(|c| self.images.snapshot_fs(c))
+            .collect();
+        // CDI devices resolve before anything is made: an unknown one leaves nothing behind.
+        let cdi_names = spec::cdi_requests(&req);
+        let cdi = if cdi_names.is_empty() {
+            Ok(Default::default())
+        } else {
+            let (reg, names) = (self.cdi.clone(), cdi_names.clone());
+            tokio::task::spawn_blocking(move || reg.resolve(&names))
+                .await
+                .map_err(|e| Error::Internal(format!("CDI task: {e}")))?
+        }
+        .map_err(|e| {
+            let msg = format!("container {}: {e}", req.name);
+            match e {
+                hako_runtime::cdi::CdiError::NotFound(_) => Error::NotFound(msg),
+                hako_runtime::cdi::CdiError::Invalid(_) => Error::InvalidArgument(msg),
+            }
+        })?;
+        let target_pid = if req.security.pid == NsMode::Target {
+            Some(self.pid_target(&pod, &req).await?)
+        } else {
+            None
+        };
+        let root = bundle.join("rootfs");
+        let t_prepared = t0.elapsed();
+        rootfs::mount_overlay(&lowers, &layer.join("upper"), &layer.join("work"), &root)?;
+        let t_mounted = t0.elapsed();
+        // Reads the image's account files, devices and profiles: bounded, but still file I/O,
+        // so off the async workers. All of it before the spec, which is a pure function.
+        let planned = tokio::task::block_in_place(|| {
+            let inputs = self.spec_inputs(&pod, &id, &req, &config, &root, target_pid)?;
+            let planned = spec::container_spec(&pod, &id, &req, &config, inputs)?;
+            create_host_paths(&req)?;
+            Ok::<_, Error>(planned)
+        })?;
+        let spec::Planned {
+            spec: cs,
+            stop_signal,
+            log_path,
+            user,
+        } = planned;
+        let cgroups_path = cs.cgroups_path.clone();
+        let mut oci = oci::generate_json(&cs);
+        hako_runtime::cdi::apply(&mut oci, &cdi)
+            .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", req.name)))?;
+        if !cdi_names.is_empty() {
+            tracing::info!(container = %id, devices = ?cdi_names, "CDI devices injected");
+        }
+        let oci = oci::typed(oci).map_err(Error::Internal)?;
+        let cfg = bundle.join("config.json");
+        oci.save(&cfg)
+            .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;
+        let monitor = self.monitor(&pod);
+        let t_spec = t0.elapsed();
+        monitor
+            .create(&id, &bundle, &log_path, req.tty, req.stdin, req.stdin_once)
+            .await
+            .map_err(|e| e.context(format!("create container {} in pod {}", req.name, pod.id)))?;
+        let t_created = t0.elapsed();
+        self.warm_pods
+            .lock()
+            .expect("warm pods poisoned")
+            .remove(&pod.id);
+        let record = ContainerRecord {
+            v: RECORD_VERSION,
+            id: id.clone(),
+            pod_id: pod.id.clone(),
+            image_id: image.id.clone(),
+            image_ref: image
+                .repo_digests
+                .first()
+                .cloned()
+                .unwrap_or_else(|| image.id.clone()),
+            spec: req,
+            created_at: now_nanos(),
+            log_path,
+            state: ContainerState::Created,
+            started_at: 0,
+            exit: None,
+            chain_ids: image.chain_ids.clone(),
+            cgroups_path,
+            stop_signal,
+            user: Some(user),
+            start_error: None,
+        };
+        if let Err(e) = self.store.put(Table::Containers, &id, &record) {
+            let _ = monitor.delete(&id, true).await;
+            return Err(e);
+        }
+        undo.commit();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        tracing::debug!(
+            container = %id,
+            prepare_ms = ms(t_prepared),
+            mount_ms = ms(t_mounted - t_prepared),
+            spec_ms = ms(t_spec - t_mounted),
+            monitor_ms = ms(t_created - t_spec),
+            record_ms = ms(t0.elapsed() - t_created),
+            "create timings"
+        );
+        tracing::info!(container = %id, pod = %pod.id, name = %record.spec.name, "container created");
+        Ok(id)
+    }
+
+    /// What the container's spec needs from the host, read once its rootfs is mounted at
+    /// `root`: the user in the image's account files, device nodes, the pod's files, the limits
+    /// this node can apply, a Localhost seccomp profile, the AppArmor profile. Blocking.
+    fn spec_inputs(
+        &self,
+        pod: &PodRecord,
+        id: &str,
+        req: &ContainerSpecReq,
+        image: &serde_json::Value,
+        root: &Path,
+        target_pid: Option<u32>,
+    ) -> Result<spec::Inputs> {
+        let sec = &req.security;
+        let (user, group) = spec::user_to_resolve(req, image)?;
+        let (uid, gid, groups) = rootfs::resolve_user(root, &user, group.as_deref())
+            .map_err(|e| e.context(format!("container {} (image {})", req.name, req.image)))?;
+        let devices = if sec.privileged {
+            hako_runtime::devices::host_devices()
+        } else {
+            req.devices
+                .iter()
+                .map(|d| device_nodes(d).map_err(|e| e.context(format!("container {}", req.name))))
+                .collect::<Result<Vec<_>>>()?
+                .concat()
+        };
+        let pod_dir = self.pod_dir(&pod.id);
+        let pod_files = [
+            ("/etc/resolv.conf", "resolv.conf"),
+            ("/etc/hostname", "hostname"),
+            ("/etc/hosts", "hosts"),
+        ]
+        .into_iter()
+        .filter(|(_, file)| pod_dir.join(file).exists())
+        .map(|(dest, file)| (dest.to_string(), pod_dir.join(file).display().to_string()))
+        .collect();
+        let mut resources = req.resources.clone();
+        let dropped = hako_runtime::stats::drop_unsupported(&mut resources);
+        if !dropped.is_empty() {
+            tracing::info!(container = %id, ?dropped, "limits this node's cgroups cannot apply are skipped");
+        }
+        let seccomp_profile = match spec::seccomp_profile_path(req)? {
+            Some(path) => Some(read_seccomp_profile(path, &req.name)?),
+            None => None,
+        };
+        Ok(spec::Inputs {
+            rootfs: root.to_path_buf(),
+            account: spec::Account { uid, gid, groups },
+            devices,
+            pod_files,
+            target_pid,
+            resources,
+            seccomp_profile,
+            apparmor_profile: apparmor_profile(sec, &req.name)?,
+            oom_floor: self.oom_floor,
+            cap_limit: self.cap_limit.clone(),
+        })
+    }
+
+    /// The pid whose PID namespace a TARGET-mode container joins: a running container of the
+    /// same pod.
+    async fn pid_target(&self, pod: &PodRecord, req: &ContainerSpecReq) -> Result<u32> {
+        let target = &req.security.pid_target;
+        let c = self
+            .container_record(target)
+            .map_err(|e| e.context(format!("PID namespace target of container {}", req.name)))?;
+        if c.pod_id != pod.id {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: PID namespace target {target} is in another pod",
+                req.name
+            )));
+        }
+        let s = self.monitor(pod).state(&c.id).await?;
+        if s.status != pb::Status::Running as i32 || s.pid == 0 {
+            return Err(Error::FailedPrecondition(format!(
+                "container {}: PID namespace target {target} is not running",
+                req.name
+            )));
+        }
+        Ok(s.pid)
+    }
+
+    pub async fn start_container(&self, id: &str) -> Result<()> {
+        let mut c = self.container_record(id)?;
+        let pod = self.pod_of(&c)?;
+        if c.state != ContainerState::Created {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is {:?}, not created",
+                c.id, c.state
+            )));
+        }
+        let m = self.monitor(&pod);
+        let s = match m.start(&c.id).await {
+            Ok(s) => s,
+            Err(e) => {
+                let e = e.context(format!("start container {}", c.id));
+                // The container is done for: its init must not linger waiting for a start, and
+                // its status says why (reason StartError), as containerd reports it.
+                c.start_error = Some(chain(&e));
+                let _ = m.signal(&c.id, libc::SIGKILL, true).await;
+                match m.wait(&c.id, 5_000).await {
+                    Ok(s) => {
+                        apply_state(&mut c, &s);
+                    }
+                    Err(_) => c.state = ContainerState::Exited,
+                }
+                if c.exit.is_none() {
+                    c.exit = Some(ExitInfo {
+                        code: 128,
+                        finished_at: now_nanos(),
+                        ..Default::default()
+                    });
+                }
+                self.store.put(Table::Containers, &c.id, &c)?;
+                return Err(e);
+            }
+        };
+        apply_state(&mut c, &s);
+        self.store.put(Table::Containers, &c.id, &c)?;
+        Ok(())
+    }
+
+    /// StopContainer: the image's STOPSIGNAL (SIGTERM when it has none), then SIGKILL after
+    /// `timeout`. Stopping an exited or unknown container succeeds.
+    pub async fn stop_container(&self, id: &str, timeout: Duration) -> Result<()> {
+        let mut c = match self.container_record(id) {
+            Ok(c) => c,
+            Err(Error::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let Ok(pod) = self.pod_of(&c) else {
+            return Ok(());
+        };
+        if pod.state != PodState::Ready {
+            return Ok(());
+        }
+        let m = self.monitor(&pod);
+        let s = m.state(&c.id).await?;
+        if s.status == pb::Status::Exited as i32 {
+            apply_state(&mut c, &s);
+            return self.store.put(Table::Containers, &c.id, &c);
+        }
+        if s.status == pb::Status::Running as i32 && !timeout.is_zero() {
+            let sig = c
+                .stop_signal
+                .as_deref()
+                .and_then(parse_signal)
+                .unwrap_or(libc::SIGTERM);
+            // Whatever goes wrong with the polite signal, the stop still ends in SIGKILL.
+            let polite = match m.signal(&c.id, sig, false).await {
+                Ok(()) => m.wait(&c.id, timeout.as_millis() as i64).await,
+                Err(e) => Err(e),
+            };
+            match polite {
+                Ok(s) if s.status == pb::Status::Exited as i32 => {
+                    apply_state(&mut c, &s);
+                    return self.store.put(Table::Containers, &c.id, &c);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(container = %c.id, signal = sig, error = %chain(&e), "stop signal failed; killing")
+                }
+            }
+        }
+        m.signal(&c.id, libc::SIGKILL, true).await?;
+        let s = m.wait(&c.id, 30_000).await?;
+        apply_state(&mut c, &s);
+        self.store.put(Table::Containers, &c.id, &c)
+    }
+
+    /// UpdateContainerResources: new limits on the cgroup of a created or running container,
+    /// kept in its record (ContainerStatus reports them). An exited container only has its
+    /// record updated, as containerd does.
+    pub async fn update_container(&self, id: &str, resources: oci::Resources) -> Result<()> {
+        let view = self.container(id).await?;
+        let mut c = view.record;
+        let resources = c.spec.resources.merged(&resources);
+        let mut applicable = resources.clone();
+        hako_runtime::stats::drop_unsupported(&mut applicable);
+        if matches!(
+            view.state,
+            ContainerState::Created | ContainerState::Running
+        ) {
+            let path = c.cgroups_path.clone();
+            let r = applicable;
+            tokio::task::spawn_blocking(move || hako_runtime::stats::update(&path, &r))
+                .await
+                .map_err(|e| Error::Internal(format!("update task: {e}")))?
+                .map_err(|e| {
+                    Error::InvalidArgument(format!("update resources of container {id}: {e}"))
+                })?;
+        }
+        c.spec.resources = resources;
+        self.store.put(Table::Containers, &c.id, &c)?;
+        tracing::info!(container = %c.id, "container resources updated");
+        Ok(())
+    }
+
+    /// RemoveContainer: force-removes a running one. Removing an unknown container succeeds.
+    pub async fn remove_container(&self, id: &str) -> Result<()> {
+        let c = match self.container_record(id) {
+            Ok(c) => c,
+            Err(Error::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        match self.pod_of(&c) {
+            Ok(pod) if pod.state == PodState::Ready => {
+                self.monitor(&pod).delete(&c.id, true).await?
+            }
+            // No monitor to delete it (stopped pod, or a monitor that died): its cgroup is ours
+            // to clear. A dying process leaves its cgroup a moment later.
+            _ => {
+                for _ in 0..50 {
+                    kill_cgroup(&c.cgroups_path);
+                    if remove_cgroup(&c.cgroups_path) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+        self.remove_container_files(&c.id)?;
+        self.store.delete(Table::Containers, &c.id)?;
+        self.store.release(&c.spec.reservation(&c.pod_id))?;
+        self.store.unpin(&c.id)?;
+        tracing::info!(container = %c.id, "container removed");
+        Ok(())
+    }
+
+    /// Current view of a container: live from its monitor while the pod runs.
+    pub async fn container(&self, id: &str) -> Result<ContainerView> {
+        let mut c = self.container_record(id)?;
+        let mut pid = 0;
+        if let Ok(pod) = self.pod_of(&c) {
+            if pod.state == PodState::Ready {
+                match self.monitor(&pod).state(&c.id).await {
+                    Ok(s) => {
+                        if s.status == pb::Status::Running as i32 {
+                            pid = s.pid;
+                        }
+                        if apply_state(&mut c, &s) {
+                            self.store.put(Table::Containers, &c.id, &c)?;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(container = %c.id, error = %chain(&e), "monitor unreachable")
+                    }
+                }
+            }
+        }
+        Ok(ContainerView {
+            state: c.state,
+            started_at: c.started_at,
+            exit: c.exit.clone(),
+            record: c,
+            pid,
+        })
+    }
+
+    /// Every container, states refreshed with one call per running pod.
+    pub async fn containers(&self) -> Result<Vec<ContainerView>> {
+        let mut live: HashMap<String, pb::ContainerState> = HashMap::new();
+        for pod in self
+            .pods()?
+            .into_iter()
+            .filter(|p| p.state == PodState::Ready)
+        {
+            match self.monitor(&pod).info().await {
+                Ok(info) => live.extend(info.containers.into_iter().map(|s| (s.id.clone(), s))),
+                Err(e) => self.check_monitor(&pod, &e)?,
+            }
+        }
+        // Read after the monitors: a monitor found gone has updated its containers' records.
+        let mut recs: Vec<ContainerRecord> = self.store.all(Table::Containers)?;
+        for c in recs.iter_mut() {
+            if let Some(s) = live.get(&c.id) {
+                if apply_state(c, s) {
+                    self.store.put(Table::Containers, &c.id, c)?;
+                }
+            }
+        }
+        Ok(recs
+            .into_iter()
+            .map(|c| ContainerView {
+                state: c.state,
+                started_at: c.started_at,
+                exit: c.exit.clone(),
+                pid: 0,
+                record: c,
+            })
+            .collect())
+    }
+
+    pub async fn exec_sync(
+        &self,
+        id: &str,
+        cmd: Vec<String>,
+        timeout: Duration,
+    ) -> Result<ExecOutput> {
+        let c = self.container_record(id)?;
+        let pod = self.pod_of(&c)?;
+        if pod.state != PodState::Ready {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not running",
+                c.id
+            )));
+        }
+        // The exec process joins the container's cgroups.
+        let _warm = hako_runtime::cgroup_warm::hold();
+        let r = self
+            .monitor(&pod)
+            .exec_sync(&c.id, cmd, timeout.as_millis() as i64)
+            .await?;
+        if r.timed_out {
+            return Err(Error::DeadlineExceeded(format!(
+                "command in container {} timed out after {} s",
+                c.id,
+                timeout.as_secs()
+            )));
+        }
+        Ok(ExecOutput {
+            stdout: r.stdout,
+            stderr: r.stderr,
+            exit_code: r.exit_code,
+        })
+    }
+
+    pub async fn reopen_log(&self, id: &str) -> Result<()> {
+        let c = self.container_record(id)?;
+        let pod = self.pod_of(&c)?;
+        let v = self.container(id).await?;
+        if v.state != ContainerState::Running {
+            return Err(Error::FailedPrecondition(format!(
+                "container {} is not running",
+                c.id
+            )));
+        }
+        self.monitor(&pod).reopen_log(&c.id).await
+    }
+}
+
+/// Creates the missing host paths of a container's mounts as directories, as containerd
+/// and CRI-O do, with their 0755 (the daemon's umask is 077).
+fn create_host_paths(req: &ContainerSpecReq) -> Result<()> {
+    for m in &req.mounts {
+        if !Path::new(&m.host_path).exists() {
+            rootfs::create_dirs(Path::new(&m.host_path), 0o755)?;
+        }
+    }
+    Ok(())
+}
+
+/// A Localhost seccomp profile: a regular file of bounded size, so that a FIFO or device
+/// named here cannot block or flood the daemon.
+fn read_seccomp_profile(path: &str, name: &str) -> Result<Vec<u8>> {
+    crate::inroot::read_regular(Path::new("/"), path, SECCOMP_PROFILE_CAP).map_err(|e| {
+        let msg = format!("seccomp profile {path} of container {name}: {}", chain(&e));
+        if e.is_not_found() {
+            Error::NotFound(msg)
+        } else {
+            Error::InvalidArgument(msg)
+        }
+    })
+}
+
+/// The AppArmor profile of container `name`: decided in spec.rs from whether this host has
+/// AppArmor; a requested profile this host cannot apply is an error.
+fn apparmor_profile(sec: &Security, name: &str) -> Result<Option<String>> {
+    use hako_runtime::apparmor::{self, ApplyError};
+    let decision = spec::apparmor_decision(sec, name, apparmor::host_enabled())?;
+    apparmor::apply(&decision).map_err(|e| match e {
+        ApplyError::NotLoaded(_) => Error::NotFound(format!("container {name}: {e}")),
+        ApplyError::Host(_) => Error::FailedPrecondition(format!("container {name}: {e}")),
+    })
+}
+
+/// The nodes a CRI device request names.
+fn device_nodes(d: &DeviceReq) -> Result<Vec<oci::Device>> {
+    hako_runtime::devices::from_host(&d.host_path, &d.container_path, &d.permissions).map_err(|e| {
+        match e.kind() {
+            std::io::ErrorKind::NotFound => Error::NotFound(e.to_string()),
+            _ => Error::InvalidArgument(e.to_string()),
+        }
+    })
+}

@@ -1,0 +1,140 @@
+//! What the pods rooms ask of the host kernel directly: cgroups (kill, remove, usage), the
+//! oom_score_adj floor, processes and directories. The bottom room: it knows no record,
+//! no store and no `Runtime`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+pub(crate) fn now_nanos() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
+}
+
+/// Whether containers must not get a lower oom_score_adj than ours: asked for, or forced
+/// because without CAP_SYS_RESOURCE the kernel refuses to lower it.
+pub(super) fn oom_floor(restrict: bool, caps: &[String]) -> Option<i32> {
+    let forced = !caps.iter().any(|c| c == "CAP_SYS_RESOURCE");
+    if !(restrict || forced) {
+        return None;
+    }
+    let own = std::fs::read_to_string("/proc/self/oom_score_adj")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    if forced && !restrict {
+        tracing::warn!(
+            floor = own,
+            "no CAP_SYS_RESOURCE: container oom_score_adj is clamped to the daemon's own"
+        );
+    }
+    Some(own)
+}
+
+/// Last CPU reading per cgroup key (time, cumulative ns), for usage rates.
+pub(super) type CpuSamples = Mutex<HashMap<String, (i64, u64)>>;
+
+/// Usage of a container's or pod's cgroup, with the CPU rate since the previous reading
+/// under `key` in `samples`.
+pub(super) fn cgroup_usage(
+    samples: &CpuSamples,
+    key: &str,
+    cgroups_path: &str,
+) -> (i64, Option<hako_runtime::stats::Sample>, Option<u64>) {
+    let now = now_nanos();
+    let sample = match hako_runtime::stats::sample(cgroups_path) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::debug!(cgroup = cgroups_path, error = %e, "no cgroup stats");
+            None
+        }
+    };
+    let mut cache = samples.lock().expect("cpu samples poisoned");
+    let rate = sample.and_then(|s| {
+        let prev = cache.insert(key.to_string(), (now, s.cpu_usage_ns));
+        prev.and_then(|(t, u)| {
+            let dt = (now - t) as f64;
+            (dt > 0.0 && s.cpu_usage_ns >= u)
+                .then(|| ((s.cpu_usage_ns - u) as f64 * 1e9 / dt) as u64)
+        })
+    });
+    (now, sample, rate)
+}
+
+/// SIGKILLs the processes whose command line names the pod: its monitor and its infra
+/// process (which carries the monitor's command line).
+pub(super) fn kill_pod_processes(pod_id: &str) {
+    let needle = format!("\"pod_id\":\"{pod_id}\"");
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        if std::fs::read(e.path().join("cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
+        {
+            tracing::warn!(pod = %pod_id, pid, "killing a process of the pod left without its monitor");
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// The names of the directories in `dir` (none when it does not exist).
+pub(super) fn dir_names(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+/// Whether `pid` is still a hako pod monitor (not a reused pid).
+pub(super) fn monitor_alive(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"monitor"))
+}
+
+/// SIGKILLs every process in a container's cgroup (v1 controllers or v2).
+pub(super) fn kill_cgroup(cgroups_path: &str) {
+    let rel = cgroups_path.trim_start_matches('/');
+    for base in [
+        "/sys/fs/cgroup/pids",
+        "/sys/fs/cgroup/memory",
+        "/sys/fs/cgroup/unified",
+        "/sys/fs/cgroup",
+    ] {
+        if let Ok(procs) = std::fs::read_to_string(Path::new(base).join(rel).join("cgroup.procs")) {
+            for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        }
+    }
+}
+
+/// Removes an empty cgroup from every hierarchy it exists in; true when none is left.
+pub(super) fn remove_cgroup(cgroups_path: &str) -> bool {
+    let rel = cgroups_path.trim_start_matches('/');
+    let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return true;
+    };
+    let mut bases: Vec<PathBuf> = hierarchies.flatten().map(|e| e.path()).collect();
+    bases.push(PathBuf::from("/sys/fs/cgroup"));
+    let mut all_gone = true;
+    for base in bases {
+        let p = base.join(rel);
+        if p.is_dir() && std::fs::remove_dir(&p).is_err() {
+            all_gone = false;
+        }
+    }
+    all_gone
+}

@@ -1,0 +1,372 @@
+//! The sandbox room: RunPodSandbox, StopPodSandbox and RemovePodSandbox, a pod's usage and
+//! the files its containers get (resolv.conf, hostname, hosts).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hako_proto::monitor as pb;
+use hako_runtime::monitor::{NamespaceSet, Options as MonitorOptions};
+
+use super::host::{cgroup_usage, now_nanos, remove_cgroup};
+use super::monitor_client::{self, MonitorClient};
+use super::spec::{confined_cgroup_path, pod_cgroup};
+use super::{
+    apply_state, new_id, rootfs, ContainerState, ExitInfo, NsMode, PodRecord, PodSpec, PodState,
+    Runtime, Undo, Usage,
+};
+use crate::error::{chain, Error, Result};
+use crate::network::IFNAME;
+use crate::store::{Table, RECORD_VERSION};
+
+impl Runtime {
+    /// Current resource usage of a pod's cgroup (its containers' parent).
+    pub fn pod_usage(&self, pod: &PodRecord) -> Usage {
+        let (timestamp, sample, nano_cores) = cgroup_usage(
+            &self.cpu_samples,
+            &format!("pod/{}", pod.id),
+            &pod_cgroup(pod),
+        );
+        Usage {
+            timestamp,
+            sample,
+            nano_cores,
+            writable_bytes: 0,
+            writable_inodes: 0,
+            writable_mountpoint: PathBuf::new(),
+        }
+    }
+
+    /// RunPodSandbox. A retry of a pod that was created returns it; a failed attempt leaves
+    /// nothing behind.
+    pub async fn run_pod(&self, spec: PodSpec) -> Result<String> {
+        if spec.name.is_empty() || spec.uid.is_empty() || spec.namespace.is_empty() {
+            return Err(Error::InvalidArgument(
+                "pod sandbox metadata needs name, uid and namespace".into(),
+            ));
+        }
+        if !spec.runtime_handler.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "runtime handler {:?} is not configured",
+                spec.runtime_handler
+            )));
+        }
+        if !spec.cgroup_parent.is_empty() {
+            confined_cgroup_path(&spec.cgroup_parent).map_err(|why| {
+                Error::InvalidArgument(format!(
+                    "pod sandbox {}/{}: cgroup parent {:?} {why}",
+                    spec.namespace, spec.name, spec.cgroup_parent
+                ))
+            })?;
+        }
+        let t0 = std::time::Instant::now();
+        // Its grace period then passes during this call and the first container's create
+        // finds the lock ready (see cgroup_warm).
+        let warm = hako_runtime::cgroup_warm::hold();
+        let key = spec.reservation();
+        let _guard = self.name_lock(&key).await;
+        if let Some(existing) = self.store.reserved(&key)? {
+            if let Some(p) = self.store.get::<PodRecord>(Table::Pods, &existing)? {
+                if p.spec == spec && p.state == PodState::Ready {
+                    return Ok(p.id);
+                }
+            }
+            return Err(Error::AlreadyExists(format!(
+                "pod name {key} is reserved by pod sandbox {existing}"
+            )));
+        }
+        let id = new_id();
+        let mut undo = Undo::default();
+        self.reserve(&key, &id, &mut undo)?;
+        let dir = self.pod_dir(&id);
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
+        {
+            let dir = dir.clone();
+            undo.push(move || {
+                let _ = std::fs::remove_dir_all(dir);
+            });
+        }
+        write_pod_files(&dir, &spec)?;
+        let ns = NamespaceSet {
+            network: spec.network != NsMode::Node,
+            ipc: spec.ipc != NsMode::Node,
+            uts: spec.network != NsMode::Node,
+            pid: spec.pid == NsMode::Pod,
+        };
+        let net_sysctls = spec
+            .sysctls
+            .iter()
+            .filter(|(k, _)| ns.network && k.starts_with("net."))
+            .map(|(k, v)| (k.clone(), v.clone()));
+        let ipc_sysctls = spec
+            .sysctls
+            .iter()
+            .filter(|(k, _)| {
+                ns.ipc
+                    && (k.starts_with("kernel.shm")
+                        || k.starts_with("kernel.msg")
+                        || k.starts_with("kernel.sem")
+                        || k.starts_with("fs.mqueue."))
+            })
+            .map(|(k, v)| (k.clone(), v.clone()));
+        let opts = MonitorOptions {
+            pod_id: id.clone(),
+            dir: dir.clone(),
+            hostname: spec.hostname.clone(),
+            namespaces: ns,
+            sysctls: net_sysctls.chain(ipc_sysctls).collect(),
+        };
+        let t_prepared = t0.elapsed();
+        let (pid, namespaces) = monitor_client::spawn(&opts)
+            .await
+            .map_err(|e| e.context(format!("start pod {}", spec.name)))?;
+        let t_spawned = t0.elapsed();
+        let client = MonitorClient::new(dir.join("monitor.sock"));
+        let recorded = async {
+            let ips = match namespaces.get("network") {
+                Some(netns) => {
+                    let att = self.network.attachment(&id, Path::new(netns), &spec);
+                    self.network
+                        .attach(&att)
+                        .await
+                        .map_err(|e| e.context(format!("network of pod {}", spec.name)))?
+                }
+                None => Vec::new(),
+            };
+            let t_network = t0.elapsed();
+            let record = PodRecord {
+                v: RECORD_VERSION,
+                id: id.clone(),
+                spec,
+                state: PodState::Ready,
+                created_at: now_nanos(),
+                monitor_pid: pid,
+                namespaces,
+                ips,
+            };
+            if let Err(e) = self.store.put(Table::Pods, &id, &record) {
+                let _ = self.network.cni.del(&id, IFNAME).await;
+                return Err(e);
+            }
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            tracing::debug!(
+                pod = %id,
+                prepare_ms = ms(t_prepared),
+                monitor_ms = ms(t_spawned - t_prepared),
+                network_ms = ms(t_network - t_spawned),
+                record_ms = ms(t0.elapsed() - t_network),
+                "run timings"
+            );
+            Ok::<_, Error>(record)
+        }
+        .await;
+        let record = match recorded {
+            Ok(r) => r,
+            Err(e) => {
+                // The monitor holds mounts in the pod dir: it goes before the dir does.
+                client.shutdown().await;
+                return Err(e);
+            }
+        };
+        self.monitors
+            .lock()
+            .expect("monitors poisoned")
+            .insert(id.clone(), client);
+        undo.commit();
+        self.warm_pods
+            .lock()
+            .expect("warm pods poisoned")
+            .insert(id.clone(), warm);
+        let (warm_pods, pod) = (self.warm_pods.clone(), id.clone());
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            warm_pods.lock().expect("warm pods poisoned").remove(&pod);
+        });
+        tracing::info!(pod = %id, name = %record.spec.name, namespace = %record.spec.namespace, "pod sandbox ready");
+        Ok(id)
+    }
+
+    /// StopPodSandbox: kills every container, releases the namespaces. Idempotent; an unknown
+    /// pod is already stopped.
+    pub async fn stop_pod(&self, id: &str) -> Result<()> {
+        let mut pod = match self.pod(id) {
+            Ok(p) => p,
+            Err(Error::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if pod.state == PodState::NotReady {
+            // Its monitor may have died before the network was torn down.
+            return self.detach(&pod).await;
+        }
+        let containers = self.containers_of(&pod.id)?;
+        let monitor = self.monitor(&pod);
+        let states: HashMap<String, pb::ContainerState> = match monitor.info().await {
+            Ok(info) => info
+                .containers
+                .into_iter()
+                .map(|c| (c.id.clone(), c))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(pod = %pod.id, error = %chain(&e), "monitor unreachable while stopping");
+                HashMap::new()
+            }
+        };
+        for c in &containers {
+            if let Some(s) = states.get(&c.id) {
+                if s.status != pb::Status::Exited as i32 {
+                    let _ = monitor.signal(&c.id, libc::SIGKILL, true).await;
+                    let _ = monitor.wait(&c.id, 10_000).await;
+                }
+            }
+        }
+        // Record final states before the monitor (their source of truth) goes away.
+        if let Ok(info) = monitor.info().await {
+            for s in info.containers {
+                if let Ok(mut rec) = self.container_record(&s.id) {
+                    apply_state(&mut rec, &s);
+                    self.store.put(Table::Containers, &rec.id, &rec)?;
+                }
+            }
+        }
+        for mut c in self.containers_of(&pod.id)? {
+            if c.state != ContainerState::Exited {
+                c.state = ContainerState::Exited;
+                c.exit.get_or_insert(ExitInfo {
+                    code: 137,
+                    signal: 9,
+                    finished_at: now_nanos(),
+                    oom_killed: false,
+                });
+                self.store.put(Table::Containers, &c.id, &c)?;
+            }
+            let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
+        }
+        // Before the namespace goes: plugins clean up inside it. A failure fails the stop
+        // (kubelet retries it) rather than leak an IP lease.
+        self.detach(&pod).await?;
+        monitor.shutdown().await;
+        self.monitors
+            .lock()
+            .expect("monitors poisoned")
+            .remove(&pod.id);
+        pod.state = PodState::NotReady;
+        self.store.put(Table::Pods, &pod.id, &pod)?;
+        tracing::info!(pod = %pod.id, "pod sandbox stopped");
+        Ok(())
+    }
+
+    /// CNI DEL of the pod's attachment, from the cached ADD result (nothing when it has none).
+    async fn detach(&self, pod: &PodRecord) -> Result<()> {
+        self.network
+            .cni
+            .del(&pod.id, IFNAME)
+            .await
+            .map_err(|e| e.context(format!("tear down the network of pod {}", pod.id)))
+    }
+
+    /// RemovePodSandbox: stops it if needed, removes its containers and files. Idempotent.
+    pub async fn remove_pod(&self, id: &str) -> Result<()> {
+        let pod = match self.pod(id) {
+            Ok(p) => p,
+            Err(Error::NotFound(_)) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        self.stop_pod(&pod.id).await?;
+        for c in self.containers_of(&pod.id)? {
+            self.remove_container(&c.id).await?;
+        }
+        let dir = self.pod_dir(&pod.id);
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                return Err(Error::io("remove", &dir, e));
+            }
+        }
+        if pod.spec.cgroup_parent.is_empty() {
+            // Ours (kubelet's parents are kubelet's): empty once the containers are deleted.
+            if !remove_cgroup(&pod_cgroup(&pod)) {
+                tracing::warn!(pod = %pod.id, cgroup = %pod_cgroup(&pod), "pod cgroup not empty; left in place");
+            }
+        }
+        self.store.delete(Table::Pods, &pod.id)?;
+        self.store.release(&pod.spec.reservation())?;
+        tracing::info!(pod = %pod.id, "pod sandbox removed");
+        Ok(())
+    }
+}
+
+/// resolv.conf, hostname and hosts for the pod's containers.
+fn write_pod_files(dir: &Path, spec: &PodSpec) -> Result<()> {
+    let resolv = match &spec.dns {
+        Some(d) if !d.servers.is_empty() || !d.searches.is_empty() || !d.options.is_empty() => {
+            let mut s = String::new();
+            if !d.searches.is_empty() {
+                s.push_str(&format!("search {}\n", d.searches.join(" ")));
+            }
+            for n in &d.servers {
+                s.push_str(&format!("nameserver {n}\n"));
+            }
+            if !d.options.is_empty() {
+                s.push_str(&format!("options {}\n", d.options.join(" ")));
+            }
+            s
+        }
+        _ => std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+    };
+    let hostname = if spec.hostname.is_empty() {
+        nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    } else {
+        spec.hostname.clone()
+    };
+    let hosts = if spec.network == NsMode::Node {
+        std::fs::read_to_string("/etc/hosts").unwrap_or_default()
+    } else {
+        format!("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{hostname}\n")
+    };
+    for (file, content) in [
+        ("resolv.conf", resolv),
+        ("hostname", format!("{hostname}\n")),
+        ("hosts", hosts),
+    ] {
+        let p = dir.join(file);
+        std::fs::write(&p, content).map_err(|e| Error::io("write", &p, e))?;
+        // Bind-mounted into every container, read by whatever user it runs as.
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+            .map_err(|e| Error::io("change mode of", &p, e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pods::Dns;
+
+    #[test]
+    fn pod_files_carry_dns_and_hostname() {
+        let d = tempfile::tempdir().unwrap();
+        let spec = PodSpec {
+            hostname: "web-0".into(),
+            dns: Some(Dns {
+                servers: vec!["10.10.10.10".into()],
+                searches: vec!["google.com".into()],
+                options: vec!["ndots:8".into()],
+            }),
+            ..Default::default()
+        };
+        write_pod_files(d.path(), &spec).unwrap();
+        let r = std::fs::read_to_string(d.path().join("resolv.conf")).unwrap();
+        assert_eq!(
+            r,
+            "search google.com\nnameserver 10.10.10.10\noptions ndots:8\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.path().join("hostname")).unwrap(),
+            "web-0\n"
+        );
+        assert!(std::fs::read_to_string(d.path().join("hosts"))
+            .unwrap()
+            .contains("web-0"));
+    }
+}
