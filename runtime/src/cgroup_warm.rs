@@ -1,4 +1,6 @@
-//! Takes the kernel's cgroup-migration lock ahead of a container create or exec.
+//! Takes the kernel's cgroup-migration lock ahead of a container create. (Not for ExecSync:
+//! exec probes are steady load, and the warm lock slows every fork and exit on the node — see
+//! `benches/cgroup_warm.rs` and docs/BENCHMARKS.md.)
 //!
 //! Every write to a `cgroup.procs` file (cgroup v1 and v2 alike) takes the global
 //! `cgroup_threadgroup_rwsem` for writing. When nothing migrated in the last few
@@ -6,7 +8,7 @@
 //! period: 5–25 ms measured on this project's machines, spent inside libcontainer's
 //! intermediate process as it joins the container's cgroups. The lock stays in writer mode
 //! for one more grace period after the last writer. So a no-op migration (the daemon into
-//! the cgroup it is already in) started in parallel when a CreateContainer or ExecSync
+//! the cgroup it is already in) started in parallel when a CreateContainer
 //! arrives pays that grace period while the spec is written and libcontainer prepares, and
 //! repeated every 2 ms for as long as such a call is under way (a [`Hold`] is alive) it keeps
 //! the lock in writer mode, so the container's own migration finds it ready whenever it

@@ -178,7 +178,9 @@ impl Cni {
         self.cache_dir.join(format!("{container_id}-{ifname}.json"))
     }
 
-    /// Every cached attachment (for GC at start).
+    /// Every cached attachment (for GC at start). A `.tmp` left by a crash between a write and
+    /// its rename is removed: the entry it was replacing is still in place (the first write
+    /// comes before any plugin runs), so it holds nothing DEL would need.
     pub fn cached(&self) -> Vec<Cached> {
         let mut out = Vec::new();
         for e in std::fs::read_dir(&self.cache_dir)
@@ -186,6 +188,11 @@ impl Cni {
             .flatten()
             .flatten()
         {
+            if e.path().extension().is_some_and(|x| x == "tmp") {
+                tracing::info!(file = %e.path().display(), "removing a CNI result cache write a crash cut short");
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            }
             match std::fs::read(e.path()).map(|b| serde_json::from_slice::<Cached>(&b)) {
                 Ok(Ok(c)) => out.push(c),
                 _ => {

@@ -412,19 +412,19 @@ impl Runtime {
         };
         match self.pod_of(&c) {
             Ok(pod) if pod.state == PodState::Ready => {
-                self.monitor(&pod).delete(&c.id, true).await?
-            }
-            // No monitor to delete it (stopped pod, or a monitor that died): its cgroup is ours
-            // to clear. A dying process leaves its cgroup a moment later.
-            _ => {
-                for _ in 0..50 {
-                    kill_cgroup(&c.cgroups_path);
-                    if remove_cgroup(&c.cgroups_path) {
-                        break;
+                if let Err(e) = self.monitor(&pod).delete(&c.id, true).await {
+                    // A monitor found gone turns the pod NotReady: then the container is
+                    // cleared here as for a stopped pod, instead of failing every retry.
+                    self.check_monitor(&pod, &e)?;
+                    if self.pod(&pod.id)?.state == PodState::Ready {
+                        return Err(e);
                     }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    clear_cgroup(&c.cgroups_path).await;
                 }
             }
+            // No monitor to delete it (stopped pod, or a monitor that died): its cgroup is ours
+            // to clear.
+            _ => clear_cgroup(&c.cgroups_path).await,
         }
         self.remove_container_files(&c.id)?;
         self.store.delete(Table::Containers, &c.id)?;
@@ -450,7 +450,11 @@ impl Runtime {
                         }
                     }
                     Err(e) => {
-                        tracing::warn!(container = %c.id, error = %chain(&e), "monitor unreachable")
+                        tracing::warn!(container = %c.id, error = %chain(&e), "monitor unreachable");
+                        // A monitor that is gone is noticed here too, not only by the next
+                        // relist: the record then says what its monitor recorded.
+                        self.check_monitor(&pod, &e)?;
+                        c = self.container_record(id)?;
                     }
                 }
             }
@@ -512,8 +516,9 @@ impl Runtime {
                 c.id
             )));
         }
-        // The exec process joins the container's cgroups.
-        let _warm = hako_runtime::cgroup_warm::hold();
+        // No cgroup-warm hold here (see docs/BENCHMARKS.md): exec probes are steady load, and
+        // keeping the node-wide migration lock in writer mode for them would slow every fork
+        // and exit on the node; the exec pays one grace period itself instead.
         let r = self
             .monitor(&pod)
             .exec_sync(&c.id, cmd, timeout.as_millis() as i64)
@@ -589,4 +594,16 @@ fn device_nodes(d: &DeviceReq) -> Result<Vec<oci::Device>> {
             _ => Error::InvalidArgument(e.to_string()),
         }
     })
+}
+
+/// Kills what is left in a container's cgroup and removes it; a dying process leaves its
+/// cgroup a moment later, so this tries for up to a second.
+async fn clear_cgroup(cgroups_path: &str) {
+    for _ in 0..50 {
+        kill_cgroup(cgroups_path);
+        if remove_cgroup(cgroups_path) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

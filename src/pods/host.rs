@@ -121,6 +121,36 @@ pub(super) fn kill_cgroup(cgroups_path: &str) {
     }
 }
 
+/// Kills and removes the container cgroups (`hako-<id>`) left under a pod's cgroup by creates
+/// that never got a record (a monitor or daemon killed mid-create): no record names them, so
+/// nothing else would. Called when the pod goes, after its recorded containers are removed.
+pub(super) fn remove_leftover_container_cgroups(pod_cgroup: &str) {
+    let rel = pod_cgroup.trim_start_matches('/');
+    let mut bases: Vec<PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    bases.push(PathBuf::from("/sys/fs/cgroup"));
+    let mut children = std::collections::BTreeSet::new();
+    for base in bases {
+        for e in std::fs::read_dir(base.join(rel))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("hako-") && e.path().is_dir() {
+                children.insert(name);
+            }
+        }
+    }
+    for child in children {
+        let path = format!("/{rel}/{child}");
+        tracing::warn!(cgroup = %path, "removing the cgroup of a container whose create did not finish");
+        kill_cgroup(&path);
+        remove_cgroup(&path);
+    }
+}
+
 /// Removes an empty cgroup from every hierarchy it exists in; true when none is left.
 pub(super) fn remove_cgroup(cgroups_path: &str) -> bool {
     let rel = cgroups_path.trim_start_matches('/');

@@ -294,8 +294,9 @@ impl MonitorClient {
         Ok(())
     }
 
-    /// Asks the monitor to tear the pod down and waits until its socket is gone.
-    pub async fn shutdown(&self) {
+    /// Asks the monitor to tear the pod down and waits until its socket is gone; false when
+    /// it was not gone within 5 s (the caller then ends the pod's processes itself).
+    pub async fn shutdown(&self) -> bool {
         let _ = self
             .call::<_, pb::Empty>(Method::Shutdown, &pb::Empty {}, "monitor")
             .await;
@@ -305,11 +306,12 @@ impl MonitorClient {
         let mut pause = Duration::from_millis(1);
         while std::time::Instant::now() < deadline {
             if !self.socket.exists() {
-                return;
+                return true;
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(20));
         }
         tracing::warn!(socket = %self.socket.display(), "pod monitor did not shut down within 5 s");
+        false
     }
 }

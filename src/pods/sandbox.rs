@@ -8,7 +8,9 @@ use std::time::Duration;
 use hako_proto::monitor as pb;
 use hako_runtime::monitor::{NamespaceSet, Options as MonitorOptions};
 
-use super::host::{cgroup_usage, now_nanos, remove_cgroup};
+use super::host::{
+    cgroup_usage, kill_pod_processes, now_nanos, remove_cgroup, remove_leftover_container_cgroups,
+};
 use super::monitor_client::{self, MonitorClient};
 use super::spec::{confined_cgroup_path, pod_cgroup};
 use super::{
@@ -164,7 +166,10 @@ impl Runtime {
             Ok(r) => r,
             Err(e) => {
                 // The monitor holds mounts in the pod dir: it goes before the dir does.
-                client.shutdown().await;
+                if !client.shutdown().await {
+                    kill_pod_processes(&id);
+                    hako_runtime::monitor::unpin_namespaces(&self.pod_dir(&id));
+                }
                 return Err(e);
             }
         };
@@ -244,7 +249,13 @@ impl Runtime {
         // Before the namespace goes: plugins clean up inside it. A failure fails the stop
         // (kubelet retries it) rather than leak an IP lease.
         self.detach(&pod).await?;
-        monitor.shutdown().await;
+        if !monitor.shutdown().await {
+            // A monitor that does not finish its teardown is ended, and what it pinned
+            // released, here: the pod's removal must not find its namespaces still mounted.
+            tracing::warn!(pod = %pod.id, "ending the pod's processes and releasing its namespaces itself");
+            kill_pod_processes(&pod.id);
+            hako_runtime::monitor::unpin_namespaces(&self.pod_dir(&pod.id));
+        }
         self.monitors
             .lock()
             .expect("monitors poisoned")
@@ -281,6 +292,7 @@ impl Runtime {
                 return Err(Error::io("remove", &dir, e));
             }
         }
+        remove_leftover_container_cgroups(&pod_cgroup(&pod));
         if pod.spec.cgroup_parent.is_empty() {
             // Ours (kubelet's parents are kubelet's): empty once the containers are deleted.
             if !remove_cgroup(&pod_cgroup(&pod)) {

@@ -45,6 +45,10 @@ impl Drop for MountNs {
     }
 }
 
+/// What `prepare` says when the PID namespace to join has no init any more.
+pub(super) const PID_NS_GONE: &str =
+    "the pod's PID namespace is gone (its init, the infra process, exited)";
+
 /// When the bundle's spec joins a PID namespace by path and would unshare a mount namespace,
 /// prepares that mount namespace and names it in the spec. Runs in the throwaway helper that
 /// then calls libcontainer; keep the result alive until libcontainer's create returns.
@@ -133,6 +137,8 @@ fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd, String> {
     let child = match forked {
         Ok(ForkResult::Parent { child }) => child,
         Ok(ForkResult::Child) => unreachable!("the child never returns"),
+        // The kernel answers ENOMEM for a PID namespace whose init has exited.
+        Err(nix::errno::Errno::ENOMEM) => return Err(PID_NS_GONE.to_string()),
         Err(e) => return Err(format!("fork into PID namespace {pid_ns}: {e}")),
     };
     drop(ready_w);

@@ -80,6 +80,9 @@ pub(crate) struct State {
     pub opts: Options,
     /// PID 1 of the pod's PID namespace, when the pod has one.
     pub infra_pid: Option<Pid>,
+    /// That PID 1 exited: the kernel ended every process of the namespace, and nothing can
+    /// be started in it any more (fork into it fails with ENOMEM).
+    pub pid_ns_dead: bool,
     pub ns_paths: HashMap<String, String>,
     pub containers: HashMap<String, Ctr>,
     pub reaped: Reaped,
@@ -161,7 +164,9 @@ pub(crate) fn reap(state: &Shared) {
         let Some(pid) = ws.pid() else { continue };
         let mut st = state.lock().expect("monitor state poisoned");
         if Some(pid) == st.infra_pid {
-            tracing::error!(pod = %st.opts.pod_id, "the pod's infra process exited; its namespaces stay pinned");
+            tracing::error!(pod = %st.opts.pod_id, "the pod's infra process, PID 1 of its PID namespace, exited: no container can start in the pod any more");
+            st.infra_pid = None;
+            st.pid_ns_dead = true;
             continue;
         }
         let dirs: Vec<(String, PathBuf)> = st
@@ -241,6 +246,7 @@ fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>), 
     let state = State {
         opts,
         infra_pid,
+        pid_ns_dead: false,
         ns_paths,
         containers: HashMap::new(),
         reaped: Reaped::default(),

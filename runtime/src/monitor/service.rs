@@ -375,6 +375,13 @@ impl Svc {
         &self,
         req: pb::CreateContainerRequest,
     ) -> Result<pb::CreateContainerResponse, Status> {
+        if self.state.lock().expect("state").pid_ns_dead {
+            return Err(Status::failed_precondition(format!(
+                "container {}: {}",
+                req.id,
+                joined_pid::PID_NS_GONE
+            )));
+        }
         if self
             .state
             .lock()
@@ -411,7 +418,11 @@ impl Svc {
             // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
             // held until the create returns.
             let _mount_ns = joined_pid::prepare(&bundle_for_helper).map_err(|e| {
-                Status::internal(format!("prepare container {id}'s mount namespace: {e}"))
+                if e == joined_pid::PID_NS_GONE {
+                    Status::failed_precondition(format!("container {id}: {e}"))
+                } else {
+                    Status::internal(format!("prepare container {id}'s mount namespace: {e}"))
+                }
             })?;
             let c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_root_path(root)
