@@ -9,7 +9,8 @@ use hako_proto::monitor as pb;
 use hako_runtime::monitor::{NamespaceSet, Options as MonitorOptions};
 
 use super::host::{
-    cgroup_usage, kill_pod_processes, now_nanos, remove_cgroup, remove_leftover_container_cgroups,
+    cgroup_usage, kill_pod_processes, monitor_alive, now_nanos, remove_cgroup,
+    remove_leftover_container_cgroups,
 };
 use super::monitor_client::{self, MonitorClient};
 use super::spec::{confined_cgroup_path, pod_cgroup};
@@ -255,6 +256,14 @@ impl Runtime {
             tracing::warn!(pod = %pod.id, "ending the pod's processes and releasing its namespaces itself");
             kill_pod_processes(&pod.id);
             hako_runtime::monitor::unpin_namespaces(&self.pod_dir(&pod.id));
+        }
+        // The monitor removes its socket last and exits right after: the stop is complete when
+        // it is gone (bounded; a zombie no longer counts).
+        for _ in 0..100 {
+            if !monitor_alive(pod.monitor_pid) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
         self.monitors
             .lock()
