@@ -836,7 +836,11 @@ mod tests {
             "{e:?}"
         );
         assert!(reg.resolve(&["example.com/gpu=gpu0".into()]).is_ok());
-        assert_eq!(reg.report().1.len(), 1);
+        let (devices, errors) = reg.report();
+        assert_eq!(devices, ["example.com/gpu=gpu0", "example.com/gpu=gpu1"]);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert_eq!(errors[0].0, etc.path().join("broken.json"));
+        assert!(errors[0].1.contains("EOF"), "{errors:?}");
 
         // Removed: unknown again.
         std::fs::remove_file(etc.path().join("gpu.json")).unwrap();
@@ -844,6 +848,322 @@ mod tests {
             reg.resolve(&["example.com/gpu=gpu0".into()]),
             Err(CdiError::NotFound(_))
         ));
+    }
+
+    #[test]
+    fn qualified_name_parts_are_checked_one_by_one() {
+        for ok in ["a/b=c", "nvidia.com/gpu=0", "v_1.x-y/c_1-2=n.a:b_c-d"] {
+            assert!(parse_qualified(ok).is_ok(), "{ok}");
+        }
+        for (bad, part) in [
+            ("/c=d", "vendor"),
+            ("-v.com/c=d", "vendor"),
+            ("v.com-/c=d", "vendor"),
+            ("v@x.com/c=d", "vendor"),
+            ("v/=d", "class"),
+            ("v/-c=d", "class"),
+            ("v/c-=d", "class"),
+            ("v/c=", "device name"),
+            ("v/c=d-", "device name"),
+            ("v/c=d/e", "device name"),
+        ] {
+            let e = parse_qualified(bad).unwrap_err();
+            assert!(e.contains(part), "{bad}: {e}");
+        }
+        assert_eq!(CdiError::NotFound("gone".into()).to_string(), "gone");
+        assert_eq!(CdiError::Invalid("bad".into()).to_string(), "bad");
+    }
+
+    fn one_device(version: &str, edits: &str) -> String {
+        format!(
+            r#"{{"cdiVersion":"{version}","kind":"a.com/b","devices":[{{"name":"d","containerEdits":{edits}}}]}}"#
+        )
+    }
+
+    #[test]
+    fn each_feature_is_accepted_from_its_cdi_version_on() {
+        let p = Path::new("/x/a.json");
+        for (min, before, edits) in [
+            (
+                "0.4.0",
+                "0.3.0",
+                r#"{"mounts":[{"hostPath":"/a","containerPath":"/b","type":"tmpfs"}]}"#,
+            ),
+            (
+                "0.5.0",
+                "0.4.0",
+                r#"{"deviceNodes":[{"path":"/dev/x","hostPath":"/dev/y"}]}"#,
+            ),
+            ("0.7.0", "0.6.0", r#"{"additionalGIDs":[5]}"#),
+            ("0.7.0", "0.6.0", r#"{"intelRdt":{"closID":"c"}}"#),
+            (
+                "1.0.0",
+                "0.8.0",
+                r#"{"netDevices":[{"hostInterfaceName":"eth1","name":"net1"}]}"#,
+            ),
+        ] {
+            assert!(
+                parse_spec(p, &one_device(min, edits)).is_ok(),
+                "{edits} at {min}"
+            );
+            let e = parse_spec(p, &one_device(before, edits)).unwrap_err();
+            assert!(e.contains(&format!("needs cdiVersion {min}")), "{e}");
+        }
+        // 1.0.x patch releases read as 1.0.0.
+        assert!(parse_spec(p, &one_device("1.0.1", r#"{"env":["A=1"]}"#)).is_ok());
+        // Annotations, on the spec or on a device, from 0.6.0.
+        let a = r#""annotations":{"x":"y"},"#;
+        for (spec_level, device_level) in [(a, ""), ("", a)] {
+            let text = |version: &str| {
+                format!(
+                    r#"{{"cdiVersion":"{version}","kind":"a.com/b",{spec_level}"devices":[{{"name":"d",{device_level}"containerEdits":{{"env":["A=1"]}}}}]}}"#
+                )
+            };
+            let e = parse_spec(p, &text("0.5.0")).unwrap_err();
+            assert!(e.contains("annotations need cdiVersion 0.6.0"), "{e}");
+            assert!(parse_spec(p, &text("0.6.0")).is_ok(), "{}", text("0.6.0"));
+            assert!(parse_spec(p, &text("1.0.0")).is_ok(), "{}", text("1.0.0"));
+        }
+    }
+
+    #[test]
+    fn mounts_hooks_and_kinds_are_checked() {
+        let p = Path::new("/x/a.json");
+        let bad = |text: &str, want: &str| {
+            let e = parse_spec(p, text).unwrap_err();
+            assert!(e.contains(want), "{e:?} should mention {want:?}");
+        };
+        bad(
+            &one_device(
+                "0.6.0",
+                r#"{"mounts":[{"hostPath":"","containerPath":"/b"}]}"#,
+            ),
+            "needs a hostPath and an absolute containerPath",
+        );
+        bad(
+            &one_device(
+                "0.6.0",
+                r#"{"mounts":[{"hostPath":"/a","containerPath":"b"}]}"#,
+            ),
+            "needs a hostPath and an absolute containerPath",
+        );
+        bad(
+            &one_device(
+                "0.6.0",
+                r#"{"hooks":[{"hookName":"createRuntime","path":"bin/hook"}]}"#,
+            ),
+            "is not absolute",
+        );
+        assert!(parse_spec(
+            p,
+            &one_device(
+                "0.6.0",
+                r#"{"hooks":[{"hookName":"createRuntime","path":"/bin/hook"}],"mounts":[{"hostPath":"/a","containerPath":"/b"}]}"#
+            )
+        )
+        .is_ok());
+        for kind in ["a.com/b.c", "a@com/b", "a.com/"] {
+            let text = one_device("0.6.0", r#"{"env":["A=1"]}"#).replace("a.com/b", kind);
+            bad(&text, "is not a valid vendor/class");
+        }
+    }
+
+    #[test]
+    fn a_broken_spec_is_named_only_for_its_own_kind() {
+        let d = tempfile::tempdir().unwrap();
+        write(
+            d.path(),
+            "x.json",
+            "{\"cdiVersion\": \"0.3.0\", \"kind\": \"broken.com/x\", \"devices\": [",
+        );
+        write(
+            d.path(),
+            "y.yaml",
+            "cdiVersion: 0.3.0\nkind: 'other.com/y'\ndevices: [\n",
+        );
+        // No kind to be read: it may hold any device.
+        write(d.path(), "nokind.json", "garbage");
+        let reg = Registry::new(vec![d.path().into()]);
+        let not_found = |name: &str| match reg.resolve(&[name.into()]) {
+            Err(CdiError::NotFound(m)) => m,
+            other => panic!("{name}: {other:?}"),
+        };
+        let m = not_found("broken.com/x=a");
+        assert!(
+            m.contains("x.json") && m.contains("nokind.json") && !m.contains("y.yaml"),
+            "{m}"
+        );
+        let m = not_found("other.com/y=a");
+        assert!(
+            m.contains("y.yaml") && m.contains("nokind.json") && !m.contains("x.json"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn a_spec_rewritten_in_place_is_read_again() {
+        use std::time::{Duration, SystemTime};
+        let d = tempfile::tempdir().unwrap();
+        let p = write(
+            d.path(),
+            "a.json",
+            &one_device("0.3.0", r#"{"env":["V=1"]}"#),
+        );
+        let set_mtime = |t: SystemTime| {
+            std::fs::File::options()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_modified(t)
+                .unwrap()
+        };
+        let t = SystemTime::UNIX_EPOCH + Duration::new(1_700_000_000, 5);
+        set_mtime(t);
+        let reg = Registry::new(vec![d.path().into()]);
+        let env = || {
+            reg.resolve(&["a.com/b=d".into()]).unwrap().edits[0]
+                .1
+                .env
+                .clone()
+        };
+        assert_eq!(env(), ["V=1"]);
+        // Same length, same inode, and the mtime one second later to the nanosecond: only the
+        // mtime's seconds tell the two versions apart.
+        std::fs::write(&p, one_device("0.3.0", r#"{"env":["V=2"]}"#)).unwrap();
+        set_mtime(t + Duration::from_secs(1));
+        assert_eq!(env(), ["V=2"]);
+    }
+
+    #[test]
+    fn device_nodes_take_numbers_and_modes_from_the_spec_or_the_host() {
+        use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+        let d = tempfile::tempdir().unwrap();
+        let host = d.path().join("node");
+        mknod(
+            &host,
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o600),
+            makedev(1, 3),
+        )
+        .unwrap();
+        let mut spec = json!({
+            "process": {"env": []},
+            "mounts": [],
+            "linux": {"resources": {"devices": []}}
+        });
+        let edits = Edits {
+            device_nodes: vec![
+                // Everything given: the host is not looked at (it has no such node).
+                DeviceNode {
+                    path: "/dev/absent-gpu".into(),
+                    kind: Some("c".into()),
+                    major: Some(195),
+                    minor: Some(7),
+                    file_mode: Some(0o640),
+                    uid: Some(1000),
+                    gid: Some(44),
+                    ..Default::default()
+                },
+                // A FIFO needs no numbers, and gets no cgroup rule.
+                DeviceNode {
+                    path: "/dev/absent-fifo".into(),
+                    kind: Some("p".into()),
+                    ..Default::default()
+                },
+                // The type only: numbers and mode from the host's node.
+                DeviceNode {
+                    path: "/dev/from-host".into(),
+                    host_path: Some(host.display().to_string()),
+                    kind: Some("c".into()),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        apply(
+            &mut spec,
+            &Resolved {
+                edits: vec![(PathBuf::from("/etc/cdi/d.json"), edits)],
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            spec["linux"]["devices"],
+            json!([
+                {"path": "/dev/absent-gpu", "type": "c", "major": 195, "minor": 7, "fileMode": 0o640, "uid": 1000, "gid": 44},
+                {"path": "/dev/absent-fifo", "type": "p", "major": 0, "minor": 0, "fileMode": 0o666},
+                {"path": "/dev/from-host", "type": "c", "major": 1, "minor": 3, "fileMode": 0o600},
+            ])
+        );
+        assert_eq!(
+            spec["linux"]["resources"]["devices"],
+            json!([
+                {"allow": true, "type": "c", "major": 195, "minor": 7, "access": "rwm"},
+                {"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rwm"},
+            ])
+        );
+    }
+
+    #[test]
+    fn mounts_and_hooks_are_written_as_given() {
+        let mut spec = json!({
+            "process": {"env": []},
+            "mounts": [{"destination": "/b", "type": "bind", "source": "/old"}],
+            "linux": {}
+        });
+        let mount = |c: &str, kind: Option<&str>, options: &[&str]| MountEdit {
+            host_path: "/h".into(),
+            container_path: c.into(),
+            kind: kind.map(Into::into),
+            options: options.iter().map(|o| o.to_string()).collect(),
+        };
+        let hook = |stage: &str, path: &str| Hook {
+            hook_name: stage.into(),
+            path: path.into(),
+            ..Default::default()
+        };
+        let edits = Edits {
+            mounts: vec![
+                mount("/a", Some("tmpfs"), &["nosuid"]),
+                mount("/b", None, &["bind", "ro"]),
+                mount("/c", None, &[]),
+            ],
+            hooks: vec![
+                hook("createRuntime", "/bin/a"),
+                Hook {
+                    args: vec!["b".into(), "-x".into()],
+                    env: vec!["K=v".into()],
+                    timeout: Some(5),
+                    ..hook("poststop", "/bin/b")
+                },
+                hook("createRuntime", "/bin/c"),
+            ],
+            ..Default::default()
+        };
+        apply(
+            &mut spec,
+            &Resolved {
+                edits: vec![(PathBuf::from("/etc/cdi/m.json"), edits)],
+            },
+        )
+        .unwrap();
+        // A bind mount gets rbind unless it names bind itself; another type is left alone; a
+        // destination already mounted is replaced.
+        assert_eq!(
+            spec["mounts"],
+            json!([
+                {"destination": "/a", "source": "/h", "type": "tmpfs", "options": ["nosuid"]},
+                {"destination": "/b", "source": "/h", "type": "bind", "options": ["bind", "ro"]},
+                {"destination": "/c", "source": "/h", "type": "bind", "options": ["rbind"]},
+            ])
+        );
+        assert_eq!(
+            spec["hooks"],
+            json!({
+                "createRuntime": [{"path": "/bin/a"}, {"path": "/bin/c"}],
+                "poststop": [{"path": "/bin/b", "args": ["b", "-x"], "env": ["K=v"], "timeout": 5}],
+            })
+        );
     }
 
     #[test]

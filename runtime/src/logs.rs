@@ -185,6 +185,76 @@ mod tests {
             rfc3339_nanos(UNIX_EPOCH + std::time::Duration::from_secs(951_782_400)),
             "2000-02-29T00:00:00.000000000Z"
         );
+        // Century and leap-year edges and the first day of months, checked against GNU date
+        // (`date -u -d @SECS +%FT%T`).
+        for (secs, want) in [
+            (0, "1970-01-01T00:00:00"),
+            (946_684_799, "1999-12-31T23:59:59"),
+            (1_709_251_200, "2024-03-01T00:00:00"),
+            (1_735_689_599, "2024-12-31T23:59:59"),
+            (4_107_542_399, "2100-02-28T23:59:59"),
+            (4_107_542_400, "2100-03-01T00:00:00"),
+            (13_574_563_200, "2400-02-29T00:00:00"),
+            (253_402_300_799, "9999-12-31T23:59:59"),
+        ] {
+            let t = UNIX_EPOCH + std::time::Duration::new(secs, 999_999_999);
+            assert_eq!(rfc3339_nanos(t), format!("{want}.999999999Z"), "{secs}");
+        }
+    }
+
+    #[test]
+    fn a_long_line_in_one_write_is_cut_at_16_kib() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("0.log");
+        let mut w = LogWriter::open(&p).unwrap();
+        // containerd's default limit, spelled out: MAX_LINE itself is what is under test.
+        let max = 16 * 1024;
+        let mut data = vec![b'a'; max];
+        data.push(b'\n');
+        data.extend(vec![b'b'; 2 * max + 1]);
+        data.push(b'\n');
+        w.write(Stream::Stderr, &data).unwrap();
+        let r: Vec<(String, usize)> = records(&p)
+            .into_iter()
+            .map(|(s, tag, content)| {
+                assert_eq!(s, "stderr");
+                (tag, content.len())
+            })
+            .collect();
+        assert_eq!(
+            r,
+            [("F", max), ("P", max), ("P", max), ("F", 1)].map(|(t, n)| (t.to_string(), n))
+        );
+    }
+
+    #[test]
+    fn the_log_path_is_never_followed_through_a_symlink_or_a_fifo() {
+        let d = tempfile::tempdir().unwrap();
+        let elsewhere = d.path().join("elsewhere");
+        std::fs::write(&elsewhere, "untouched").unwrap();
+        let link = d.path().join("0.log");
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        assert!(LogWriter::open(&link).is_err(), "opened through a symlink");
+        assert_eq!(std::fs::read_to_string(&elsewhere).unwrap(), "untouched");
+        // A FIFO with no reader: opening it for writing must fail at once, not wait for one.
+        let fifo = d.path().join("1.log");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(LogWriter::open(&fifo).map(|_| ()));
+        });
+        let res = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("opening a FIFO as the log blocked (not returned after 10 s)");
+        assert!(res.is_err(), "a FIFO taken as the log file");
+        // A regular file: created 0640.
+        use std::os::unix::fs::PermissionsExt;
+        let p = d.path().join("2.log");
+        LogWriter::open(&p).unwrap();
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o640
+        );
     }
 
     #[test]

@@ -886,6 +886,14 @@ mod tests {
         );
         assert!(allowed(&arm).iter().any(|n| n == "set_tls"));
         assert!(!allowed(&arm).iter().any(|n| n == "arch_prctl"));
+        // 32-bit hosts: their one architecture, and its own syscalls.
+        let x86 = profile(&default_caps(), "x86", |_| true);
+        assert_eq!(x86["architectures"], json!(["SCMP_ARCH_X86"]));
+        assert!(allowed(&x86).iter().any(|n| n == "modify_ldt"));
+        let arm32 = profile(&default_caps(), "arm", |_| true);
+        assert_eq!(arm32["architectures"], json!(["SCMP_ARCH_ARM"]));
+        assert!(allowed(&arm32).iter().any(|n| n == "cacheflush"));
+        assert!(!allowed(&arm32).iter().any(|n| n == "modify_ldt"));
         let other = profile(&default_caps(), "riscv64", |_| true);
         assert!(other.get("architectures").is_none(), "native only");
         // Names the resolver does not know are left out rather than warned about.

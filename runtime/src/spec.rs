@@ -803,6 +803,119 @@ mod tests {
     }
 
     #[test]
+    fn merged_limits_take_what_the_update_names() {
+        let old = Resources {
+            cpu_shares: Some(512),
+            cpu_quota: Some(10_000),
+            cpuset_cpus: Some("0".into()),
+            memory_limit: Some(1 << 30),
+            pids_limit: Some(10),
+            hugepage_limits: vec![("2MB".into(), 2 << 20)],
+            unified: [("memory.high".to_string(), "max".to_string())].into(),
+            ..Default::default()
+        };
+        let newer = Resources {
+            cpu_quota: Some(20_000),
+            cpu_period: Some(50_000),
+            cpuset_mems: Some("0".into()),
+            memory_swap: Some(2 << 30),
+            unified: [("pids.max".to_string(), "5".to_string())].into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            old.merged(&newer),
+            Resources {
+                cpu_shares: Some(512),
+                cpu_quota: Some(20_000),
+                cpu_period: Some(50_000),
+                cpuset_cpus: Some("0".into()),
+                cpuset_mems: Some("0".into()),
+                memory_limit: Some(1 << 30),
+                memory_swap: Some(2 << 30),
+                pids_limit: Some(10),
+                hugepage_limits: vec![("2MB".into(), 2 << 20)],
+                unified: [
+                    ("memory.high".to_string(), "max".to_string()),
+                    ("pids.max".to_string(), "5".to_string())
+                ]
+                .into(),
+            }
+        );
+        let hp = Resources {
+            hugepage_limits: vec![("1GB".into(), 0)],
+            ..Default::default()
+        };
+        assert_eq!(old.merged(&hp).hugepage_limits, hp.hugepage_limits);
+    }
+
+    #[test]
+    fn unified_limits_reach_the_spec_only_when_set() {
+        let mut r = Resources::default();
+        assert!(limits(&r).get("unified").is_none());
+        r.unified.insert("memory.high".into(), "64M".into());
+        assert_eq!(limits(&r)["unified"], json!({"memory.high": "64M"}));
+    }
+
+    #[test]
+    fn the_pods_dev_shm_replaces_the_private_one() {
+        let shm = |v: &Value| -> Vec<Value> {
+            v["mounts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|m| m["destination"] == "/dev/shm")
+                .cloned()
+                .collect()
+        };
+        let mount = |destination: &str, source: &str| Mount {
+            destination: destination.into(),
+            source: source.into(),
+            readonly: false,
+            propagation: String::new(),
+            recursive_readonly: false,
+        };
+        check(
+            |s| s.mounts.push(mount("/dev/shm", "/run/hako/pods/p/shm")),
+            |v| {
+                let m = shm(v);
+                assert_eq!(m.len(), 1, "{m:?}");
+                assert_eq!(m[0]["source"], "/run/hako/pods/p/shm");
+            },
+        );
+        check(
+            |s| s.mounts.push(mount("/data", "/srv")),
+            |v| assert_eq!(shm(v)[0]["source"], "shm"),
+        );
+    }
+
+    #[test]
+    fn typed_keeps_the_spec_and_names_a_bad_one() {
+        let s = typed(generate_json(&base())).unwrap();
+        let process = s.process().as_ref().unwrap();
+        assert_eq!(process.args().as_ref().unwrap(), &["sh".to_string()]);
+        assert_eq!(s.hostname().as_deref(), Some("pod"));
+        let e = typed(json!({"ociVersion": 1})).unwrap_err();
+        assert!(e.contains("generated OCI spec is invalid"), "{e}");
+    }
+
+    #[test]
+    fn the_bounding_set_is_what_the_kernel_says() {
+        // The kernel's answer, capability by capability (ALL_CAPABILITIES is in bit order).
+        let held: Vec<String> = ALL_CAPABILITIES
+            .iter()
+            .enumerate()
+            .filter(|(i, cap)| {
+                // SAFETY: PR_CAPBSET_READ only reads this thread's bounding set.
+                let r = unsafe { libc::prctl(libc::PR_CAPBSET_READ, *i as libc::c_ulong, 0, 0, 0) };
+                assert!(r >= 0, "PR_CAPBSET_READ {cap}");
+                r == 1
+            })
+            .map(|(_, c)| c.to_string())
+            .collect();
+        assert_eq!(own_bounding_set(), held);
+    }
+
+    #[test]
     fn devices_hugepages_and_recursive_readonly_reach_the_spec() {
         check(
             |s| {

@@ -306,6 +306,42 @@ server = "https://registry.k8s.io"
             vec![("x-token".to_string(), "abc".to_string())]
         );
         assert!(!eps[2].mirror);
+        assert!(eps[1].pull, "capabilities [\"pull\"]");
+    }
+
+    #[test]
+    fn capabilities_and_header_lists() {
+        let d = tempfile::tempdir().unwrap();
+        write(
+            d.path(),
+            "quay.io",
+            r#"
+[host."https://resolver.example"]
+  capabilities = ["resolve"]
+  [host."https://resolver.example".header]
+    x-one = "1"
+    x-many = ["a", "b"]
+"#,
+        );
+        let eps = endpoints(d.path(), "quay.io").unwrap();
+        assert!(eps[0].resolve && !eps[0].pull, "{:?}", eps[0]);
+        assert_eq!(
+            eps[0].headers,
+            [("x-one", "1"), ("x-many", "a"), ("x-many", "b")]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+        // The server without a capabilities key: both.
+        assert!(eps[1].resolve && eps[1].pull, "{:?}", eps[1]);
+        write(
+            d.path(),
+            "e.io",
+            "[host.\"https://m.io\".header]\nx-n = 1\n",
+        );
+        let err = endpoints(d.path(), "e.io").unwrap_err().to_string();
+        assert!(
+            err.contains("x-n") && err.contains("string or list"),
+            "{err}"
+        );
     }
 
     #[test]

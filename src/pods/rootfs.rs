@@ -249,8 +249,17 @@ mod tests {
             nix::sys::stat::Mode::from_bits_truncate(0o600),
         )
         .unwrap();
-        // A FIFO with no writer: read naively, this would block the daemon forever.
-        let e = resolve_user(r.path(), "www-data", None).unwrap_err();
+        // A FIFO with no writer: read naively, this would block the daemon forever. A lookup
+        // that blocks fails this test by a deadline instead of hanging the test binary.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let root_path = r.path().to_path_buf();
+        std::thread::spawn(move || {
+            let _ = tx.send(resolve_user(&root_path, "www-data", None));
+        });
+        let e = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the lookup blocked on a FIFO /etc/passwd (not returned after 10 s)")
+            .unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
         assert!(
             e.to_string().contains("/etc/passwd") && e.to_string().contains("not a regular file"),
@@ -281,5 +290,116 @@ mod tests {
         std::fs::write(r.path().join("etc/group"), "staff:x:5o:app\n").unwrap();
         let e = resolve_user(r.path(), "app", None).unwrap_err().to_string();
         assert!(e.contains("/etc/group line 1"), "{e}");
+        // A group named by the container config, malformed on line 2.
+        std::fs::write(r.path().join("etc/group"), "root:x:0:\nstaff:x:5o:\n").unwrap();
+        let e = resolve_user(r.path(), "app", Some("staff"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/etc/group line 2") && e.contains("5o"), "{e}");
+    }
+
+    #[test]
+    fn supplementary_groups_leave_out_the_primary_and_repeats() {
+        let r = root();
+        // www-data is listed in its own primary group, and in two lines of gid 10.
+        std::fs::write(
+            r.path().join("etc/group"),
+            "www-data:x:33:www-data\nwheel:x:10:www-data\nwheel-alias:x:10:root,www-data\n",
+        )
+        .unwrap();
+        assert_eq!(
+            resolve_user(r.path(), "www-data", None).unwrap(),
+            (33, 33, vec![10])
+        );
+    }
+
+    fn mode(p: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn create_dirs_gives_each_new_directory_the_mode_and_keeps_existing_ones() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("a")).unwrap();
+        std::fs::set_permissions(
+            d.path().join("a"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .unwrap();
+        // 0777: what the umask (022 or stricter) would take away if only mkdir's mode applied.
+        create_dirs(&d.path().join("a/b/c"), 0o777).unwrap();
+        assert_eq!(
+            mode(&d.path().join("a")),
+            0o700,
+            "an existing parent keeps its mode"
+        );
+        assert_eq!(mode(&d.path().join("a/b")), 0o777);
+        assert_eq!(mode(&d.path().join("a/b/c")), 0o777);
+        // Already there: nothing to do.
+        create_dirs(&d.path().join("a/b/c"), 0o700).unwrap();
+        assert_eq!(mode(&d.path().join("a/b/c")), 0o777);
+        // A directory found to exist on the way (`x/..` is `a/b` again) is not an error.
+        create_dirs(&d.path().join("a/b/x/.."), 0o755).unwrap();
+        assert!(d.path().join("a/b/x").is_dir());
+        // Any other failure is, naming the directory.
+        std::fs::write(d.path().join("file"), "").unwrap();
+        let e = create_dirs(&d.path().join("file/sub"), 0o755)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("file/sub"), "{e}");
+    }
+
+    /// Unmounts (lazily) on drop, so a failing assertion leaves no mount behind.
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = umount2(&self.0, MntFlags::MNT_DETACH);
+        }
+    }
+
+    #[test]
+    fn overlay_mounts_layers_topmost_first_and_unmounts() {
+        let d = tempfile::tempdir().unwrap();
+        let (low1, low2) = (d.path().join("l1"), d.path().join("l2"));
+        for (l, text) in [(&low1, "top"), (&low2, "bottom")] {
+            std::fs::create_dir(l).unwrap();
+            std::fs::write(l.join("f"), text).unwrap();
+        }
+        std::fs::write(low2.join("only-bottom"), "b").unwrap();
+        let (upper, work, target) = (
+            d.path().join("c/upper"),
+            d.path().join("c/work"),
+            d.path().join("c/rootfs"),
+        );
+        mount_overlay(&[low1.clone(), low2.clone()], &upper, &work, &target).unwrap();
+        let guard = Unmount(target.clone());
+        assert_eq!(std::fs::read_to_string(target.join("f")).unwrap(), "top");
+        assert!(target.join("only-bottom").exists());
+        std::fs::write(target.join("new"), "w").unwrap();
+        assert!(upper.join("new").exists(), "writes land in the upper dir");
+        assert_eq!(mode(&upper), 0o755, "the container's / is 0755");
+        unmount(&target).unwrap();
+        assert!(!target.join("f").exists(), "unmounted");
+        std::mem::forget(guard);
+        // Not mounted, or not there at all: fine.
+        unmount(&target).unwrap();
+        unmount(&d.path().join("missing")).unwrap();
+    }
+
+    #[test]
+    fn overlay_refuses_no_layers_and_options_over_a_page() {
+        let d = tempfile::tempdir().unwrap();
+        let (upper, work, target) = (d.path().join("u"), d.path().join("w"), d.path().join("t"));
+        let e = mount_overlay(&[], &upper, &work, &target).unwrap_err();
+        assert!(e.to_string().contains("no layers"), "{e}");
+        let many: Vec<PathBuf> = (0..200)
+            .map(|i| d.path().join(format!("layer-with-a-long-name-{i:04}")))
+            .collect();
+        let e = mount_overlay(&many, &upper, &work, &target).unwrap_err();
+        assert!(
+            matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("200 layers"),
+            "{e}"
+        );
     }
 }
