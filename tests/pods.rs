@@ -1196,17 +1196,7 @@ async fn a_stuck_monitor_fails_calls_with_deadline_exceeded_instead_of_hanging()
         container_config("c", &["sleep", "300"]),
     )
     .await;
-    let info = rt
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: pod.clone(),
-            verbose: true,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .info;
-    let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    let monitor = nix::unistd::Pid::from_raw(v["monitorPid"].as_i64().unwrap() as i32);
+    let monitor = monitor_pid(&mut rt, &pod).await;
     nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGSTOP).unwrap();
     let e = rt
         .exec_sync(cri::ExecSyncRequest {

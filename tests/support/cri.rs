@@ -350,8 +350,8 @@ pub async fn container_pid(rt: &mut Rt, id: &str) -> i32 {
     v["pid"].as_i64().expect("verbose info has the pid") as i32
 }
 
-/// SIGKILLs the pod's monitor (its pid from the verbose PodSandboxStatus).
-pub async fn kill_monitor(rt: &mut Rt, pod: &str) {
+/// The pid of the pod's monitor, from the verbose PodSandboxStatus.
+pub async fn monitor_pid(rt: &mut Rt, pod: &str) -> nix::unistd::Pid {
     let info = rt
         .pod_sandbox_status(cri::PodSandboxStatusRequest {
             pod_sandbox_id: pod.into(),
@@ -362,12 +362,13 @@ pub async fn kill_monitor(rt: &mut Rt, pod: &str) {
         .into_inner()
         .info;
     let v: serde_json::Value = serde_json::from_str(&info["info"]).unwrap();
-    let monitor = v["monitorPid"].as_i64().unwrap() as i32;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(monitor),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    nix::unistd::Pid::from_raw(v["monitorPid"].as_i64().unwrap() as i32)
+}
+
+/// SIGKILLs the pod's monitor (its pid from the verbose PodSandboxStatus).
+pub async fn kill_monitor(rt: &mut Rt, pod: &str) {
+    let monitor = monitor_pid(rt, pod).await;
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGKILL).unwrap();
 }
 
 /// Host processes whose command line is exactly `argv` (NUL-separated, as in /proc).
