@@ -1216,3 +1216,169 @@ async fn a_stuck_monitor_fails_calls_with_deadline_exceeded_instead_of_hanging()
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// Resumes a SIGSTOPped monitor when dropped, so a failing test does not leave it stopped.
+struct Resume(nix::unistd::Pid);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
+    }
+}
+
+/// One stuck monitor among several pods: every list, status and stats call still answers for
+/// all of them; the stuck pod is reported NotReady (the reason in its verbose status), its
+/// containers as last recorded, the other pods Ready with their containers Running. Once the
+/// monitor answers again, so is its pod Ready again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stuck_monitor_reports_its_pod_not_ready_and_holds_up_no_other_pod() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let mut pods = Vec::new();
+    let mut containers = Vec::new();
+    for name in ["stuck", "fine-a", "fine-b"] {
+        let cfg = pod_config(name, logs.path());
+        let pod = run_pod(&mut rt, &cfg).await;
+        // Two containers in each: a list must not wait on the stuck monitor per container.
+        for c in ["one", "two"] {
+            let id =
+                run_container(&mut rt, &pod, &cfg, container_config(c, &["sleep", "300"])).await;
+            containers.push((pod.clone(), id));
+        }
+        pods.push(pod);
+    }
+    let stuck = pods[0].clone();
+    let monitor = monitor_pid(&mut rt, &stuck).await;
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let resume = Resume(monitor);
+
+    let ready = |p: &str| {
+        if *p == stuck {
+            cri::PodSandboxState::SandboxNotready as i32
+        } else {
+            cri::PodSandboxState::SandboxReady as i32
+        }
+    };
+    let listed = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .expect("ListPodSandbox answers with a monitor stuck")
+        .into_inner()
+        .items;
+    for p in &pods {
+        let item = listed
+            .iter()
+            .find(|i| i.id == *p)
+            .expect("every pod listed");
+        assert_eq!(item.state, ready(p), "pod {p} in ListPodSandbox");
+    }
+    for p in &pods {
+        let r = rt
+            .pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: p.clone(),
+                verbose: true,
+            })
+            .await
+            .expect("PodSandboxStatus answers with a monitor stuck")
+            .into_inner();
+        assert_eq!(r.status.unwrap().state, ready(p), "pod {p} status");
+        let info: serde_json::Value = serde_json::from_str(&r.info["info"]).unwrap();
+        let reason = info["notReadyReason"].as_str();
+        if *p == stuck {
+            assert!(
+                reason.is_some_and(|r| r.contains("did not answer")),
+                "the reason is in the verbose status: {info}"
+            );
+        } else {
+            assert_eq!(reason, None, "{info}");
+        }
+    }
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .expect("ListContainers answers with a monitor stuck")
+        .into_inner()
+        .containers;
+    // The stuck pod's containers as last recorded (Running), the others live.
+    for (_, id) in &containers {
+        let c = listed
+            .iter()
+            .find(|c| c.id == *id)
+            .expect("every container listed");
+        assert_eq!(
+            c.state,
+            cri::ContainerState::ContainerRunning as i32,
+            "{c:?}"
+        );
+        assert_eq!(
+            status(&mut rt, id).await.state,
+            cri::ContainerState::ContainerRunning as i32
+        );
+        container_stats(&mut rt, id).await;
+    }
+    let stats = rt
+        .list_container_stats(cri::ListContainerStatsRequest::default())
+        .await
+        .expect("ListContainerStats answers with a monitor stuck")
+        .into_inner()
+        .stats;
+    for (_, id) in &containers {
+        assert!(
+            stats
+                .iter()
+                .any(|s| s.attributes.as_ref().unwrap().id == *id),
+            "stats of {id}"
+        );
+    }
+    let pod_stats = rt
+        .list_pod_sandbox_stats(cri::ListPodSandboxStatsRequest::default())
+        .await
+        .expect("ListPodSandboxStats answers with a monitor stuck")
+        .into_inner()
+        .stats;
+    for p in &pods {
+        let s = pod_stats
+            .iter()
+            .find(|s| s.attributes.as_ref().unwrap().id == *p)
+            .expect("stats of every pod");
+        assert_eq!(s.linux.as_ref().unwrap().containers.len(), 2, "{s:?}");
+        rt.pod_sandbox_stats(cri::PodSandboxStatsRequest {
+            pod_sandbox_id: p.clone(),
+        })
+        .await
+        .expect("PodSandboxStats answers with a monitor stuck");
+    }
+    assert!(
+        h.log_text().contains("pod monitor did not answer"),
+        "logged"
+    );
+
+    drop(resume);
+    let mut back = false;
+    for _ in 0..250 {
+        let listed = rt
+            .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+        if listed
+            .iter()
+            .all(|i| i.state == cri::PodSandboxState::SandboxReady as i32)
+        {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(back, "the pod is Ready again once its monitor answers");
+    for p in &pods {
+        remove_pod(&mut rt, p).await;
+    }
+    for p in &pods {
+        assert_no_leaks(&h, p);
+    }
+}

@@ -1,6 +1,9 @@
 //! The container room: CreateContainer (gathering from the host what the pure spec in
 //! spec.rs needs, then the bundle and the monitor's create), Start/Stop/Update/Remove,
-//! status and list, ExecSync, ReopenContainerLog and a container's usage.
+//! status and list, ExecSync and ReopenContainerLog. Reads for lists and statuses ask the
+//! monitors within a short deadline, all at once (`survey`): a stuck monitor costs a list one
+//! deadline, its pod is reported NotReady and its containers as last recorded (as containerd
+//! reports from its own store), and the pods that answer are not held up.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -9,11 +12,11 @@ use std::time::Duration;
 use hako_proto::monitor as pb;
 use hako_runtime::spec as oci;
 
-use super::host::{cgroup_usage, kill_cgroup, now_nanos, remove_cgroup};
+use super::host::{kill_cgroup, now_nanos, remove_cgroup};
 use super::spec::{self, parse_signal};
 use super::{
     apply_state, new_id, rootfs, ContainerRecord, ContainerSpecReq, ContainerState, ContainerView,
-    DeviceReq, ExecOutput, ExitInfo, NsMode, PodRecord, PodState, Runtime, Security, Undo, Usage,
+    DeviceReq, ExecOutput, ExitInfo, NsMode, PodRecord, PodState, Runtime, Security, Undo,
 };
 use crate::error::{chain, Error, Result};
 use crate::store::{Table, RECORD_VERSION};
@@ -22,23 +25,6 @@ use crate::store::{Table, RECORD_VERSION};
 const SECCOMP_PROFILE_CAP: u64 = 1 << 20;
 
 impl Runtime {
-    /// Current resource usage of a container.
-    pub fn container_usage(&self, c: &ContainerRecord) -> Usage {
-        let (timestamp, sample, nano_cores) =
-            cgroup_usage(&self.cpu_samples, &c.id, &c.cgroups_path);
-        let upper = self.layer_dir(&c.id).join("upper");
-        let (writable_bytes, writable_inodes) =
-            crate::image::unpack::disk_usage(&upper).unwrap_or((0, 0));
-        Usage {
-            timestamp,
-            sample,
-            nano_cores,
-            writable_bytes,
-            writable_inodes,
-            writable_mountpoint: self.root_dir.join("containers"),
-        }
-    }
-
     /// CreateContainer: prepares the rootfs and config, has the pod's monitor create it.
     pub async fn create_container(&self, pod_id: &str, req: ContainerSpecReq) -> Result<String> {
         let pod = self.pod(pod_id)?;
@@ -440,7 +426,7 @@ impl Runtime {
         let mut pid = 0;
         if let Ok(pod) = self.pod_of(&c) {
             if pod.state == PodState::Ready {
-                match self.monitor(&pod).state(&c.id).await {
+                match self.monitor(&pod).read_state(&c.id).await {
                     Ok(s) => {
                         if s.status == pb::Status::Running as i32 {
                             pid = s.pid;
@@ -468,23 +454,44 @@ impl Runtime {
         })
     }
 
-    /// Every container, states refreshed with one call per running pod.
+    /// Every container, states refreshed with one round of monitor reads.
     pub async fn containers(&self) -> Result<Vec<ContainerView>> {
-        let mut live: HashMap<String, pb::ContainerState> = HashMap::new();
-        for pod in self
-            .pods()?
-            .into_iter()
-            .filter(|p| p.state == PodState::Ready)
-        {
-            match self.monitor(&pod).info().await {
-                Ok(info) => live.extend(info.containers.into_iter().map(|s| (s.id.clone(), s))),
-                Err(e) => self.check_monitor(&pod, &e)?,
+        let survey = self.survey(&self.pods()?).await?;
+        self.container_views(&survey)
+    }
+
+    /// Asks the monitors of the Ready pods among `pods` for their containers' states, all at
+    /// once, each within the read deadline: a stuck monitor costs one deadline in all, and
+    /// nothing to the pods that answer. A monitor found gone turns its pod NotReady
+    /// (recovery.rs); one that is alive but silent leaves its records as they are.
+    pub(super) async fn survey(&self, pods: &[PodRecord]) -> Result<Survey> {
+        let ready: Vec<&PodRecord> = pods.iter().filter(|p| p.state == PodState::Ready).collect();
+        let answers = futures::future::join_all(ready.iter().map(|p| {
+            let m = self.monitor(p);
+            async move { m.read_info().await }
+        }))
+        .await;
+        let mut survey = Survey::default();
+        for (pod, answer) in ready.into_iter().zip(answers) {
+            match answer {
+                Ok(info) => survey
+                    .live
+                    .extend(info.containers.into_iter().map(|s| (s.id.clone(), s))),
+                Err(e) => {
+                    self.check_monitor(pod, &e)?;
+                    survey.unanswered.insert(pod.id.clone(), chain(&e));
+                }
             }
         }
-        // Read after the monitors: a monitor found gone has updated its containers' records.
+        Ok(survey)
+    }
+
+    /// The container records with what `survey` found folded in. Read after the monitors: a
+    /// monitor found gone has updated its containers' records.
+    pub(super) fn container_views(&self, survey: &Survey) -> Result<Vec<ContainerView>> {
         let mut recs: Vec<ContainerRecord> = self.store.all(Table::Containers)?;
         for c in recs.iter_mut() {
-            if let Some(s) = live.get(&c.id) {
+            if let Some(s) = survey.live.get(&c.id) {
                 if apply_state(c, s) {
                     self.store.put(Table::Containers, &c.id, c)?;
                 }
@@ -549,6 +556,15 @@ impl Runtime {
         }
         self.monitor(&pod).reopen_log(&c.id).await
     }
+}
+
+/// What one round of monitor reads found.
+#[derive(Default)]
+pub(super) struct Survey {
+    /// Live states of the containers of the pods whose monitor answered.
+    live: HashMap<String, pb::ContainerState>,
+    /// Pods whose monitor did not answer, with why.
+    pub(super) unanswered: HashMap<String, String>,
 }
 
 /// Creates the missing host paths of a container's mounts as directories, as containerd

@@ -1,10 +1,8 @@
-//! What the pods rooms ask of the host kernel directly: cgroups (kill, remove, usage), the
+//! What the pods rooms ask of the host kernel directly: cgroups (kill, remove), the
 //! oom_score_adj floor, processes and directories. The bottom room: it knows no record,
 //! no store and no `Runtime`.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 pub(crate) fn now_nanos() -> i64 {
     std::time::SystemTime::now()
@@ -32,36 +30,6 @@ pub(super) fn oom_floor(restrict: bool, caps: &[String]) -> Option<i32> {
         );
     }
     Some(own)
-}
-
-/// Last CPU reading per cgroup key (time, cumulative ns), for usage rates.
-pub(super) type CpuSamples = Mutex<HashMap<String, (i64, u64)>>;
-
-/// Usage of a container's or pod's cgroup, with the CPU rate since the previous reading
-/// under `key` in `samples`.
-pub(super) fn cgroup_usage(
-    samples: &CpuSamples,
-    key: &str,
-    cgroups_path: &str,
-) -> (i64, Option<hako_runtime::stats::Sample>, Option<u64>) {
-    let now = now_nanos();
-    let sample = match hako_runtime::stats::sample(cgroups_path) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            tracing::debug!(cgroup = cgroups_path, error = %e, "no cgroup stats");
-            None
-        }
-    };
-    let mut cache = samples.lock().expect("cpu samples poisoned");
-    let rate = sample.and_then(|s| {
-        let prev = cache.insert(key.to_string(), (now, s.cpu_usage_ns));
-        prev.and_then(|(t, u)| {
-            let dt = (now - t) as f64;
-            (dt > 0.0 && s.cpu_usage_ns >= u)
-                .then(|| ((s.cpu_usage_ns - u) as f64 * 1e9 / dt) as u64)
-        })
-    });
-    (now, sample, rate)
 }
 
 /// SIGKILLs the processes whose command line names the pod: its monitor and its infra

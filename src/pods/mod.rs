@@ -13,15 +13,18 @@
 //! The rooms, each using only those below it:
 //!
 //! ```text
-//! sandbox.rs    RunPodSandbox, StopPodSandbox, RemovePodSandbox, pod usage, pod files
-//! container.rs  Create/Start/Stop/Update/RemoveContainer, status, list, ExecSync,
-//!               ReopenContainerLog, container usage; gathers what the spec needs (I/O)
+//! stats.rs      the stats RPCs: cgroup usage and CPU rates, the bounded writable-layer walk
+//! sandbox.rs    RunPodSandbox, StopPodSandbox, RemovePodSandbox, pod status and list,
+//!               pod files
+//! container.rs  Create/Start/Stop/Update/RemoveContainer, status, list (one concurrent
+//!               round of monitor reads), ExecSync, ReopenContainerLog; gathers what the
+//!               spec needs (I/O)
 //! recovery.rs   reconcile at start, orphans of unfinished creates, network GC, and a
 //!               monitor found gone (also by the relist in container.rs, hence below it)
 //! spec.rs       the container spec: a pure function of request, image config, pod and
 //!               the inputs container.rs gathered; cgroup paths, signals, log paths
 //! mod.rs        `Runtime`, record lookups, name locks, the undo stack, `apply_state`
-//! host.rs       cgroups (kill, remove, usage), oom floor, processes, directories
+//! host.rs       cgroups (kill, remove), oom floor, processes, directories
 //! ```
 //! `types.rs` (records and requests), `rootfs.rs` (overlay, accounts) and
 //! `monitor_client.rs` (spawning and calling monitors) sit beside them; none of them
@@ -34,6 +37,7 @@ mod recovery;
 pub mod rootfs;
 mod sandbox;
 pub mod spec;
+mod stats;
 pub mod types;
 
 use std::collections::HashMap;
@@ -47,6 +51,7 @@ use crate::image::Images;
 use crate::network::Network;
 use crate::store::{Store, Table};
 use monitor_client::MonitorClient;
+pub use stats::{PodStats, Usage};
 pub use types::*;
 
 /// A fresh 64-hex-digit id, as containerd's.
@@ -92,8 +97,8 @@ pub struct Runtime {
     cap_limit: Vec<String>,
     /// The lowest oom_score_adj a container may get, when restricted (the daemon's own).
     oom_floor: Option<i32>,
-    /// Last CPU reading per container (time, cumulative ns), for usage rates.
-    cpu_samples: host::CpuSamples,
+    /// Last CPU reading per container and pod, for usage rates (pruned at each stats list).
+    cpu_samples: stats::CpuSamples,
     /// New pods keep the kernel's cgroup-migration lock warm until their first container is
     /// created (at most 1 s): kubelet creates containers right after RunPodSandbox.
     warm_pods: Arc<std::sync::Mutex<HashMap<String, hako_runtime::cgroup_warm::Hold>>>,
@@ -101,16 +106,14 @@ pub struct Runtime {
     cdi: Arc<hako_runtime::cdi::Registry>,
 }
 
-/// Resource usage of a container, as the stats RPCs report it.
+/// What the CRI layer shows of a pod: its record, and NotReady while its monitor does not
+/// answer (the record keeps Ready: the pod is Ready again once it answers).
 #[derive(Debug, Clone)]
-pub struct Usage {
-    pub timestamp: i64,
-    pub sample: Option<hako_runtime::stats::Sample>,
-    /// CPU use since the previous reading, in nanocores.
-    pub nano_cores: Option<u64>,
-    pub writable_bytes: u64,
-    pub writable_inodes: u64,
-    pub writable_mountpoint: PathBuf,
+pub struct PodView {
+    pub record: PodRecord,
+    pub state: PodState,
+    /// Why its monitor did not answer this time (silent, or found gone): why it is NotReady.
+    pub unanswered: Option<String>,
 }
 
 /// What the CRI layer shows of a container.

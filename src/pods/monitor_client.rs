@@ -99,6 +99,12 @@ pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
 const CALL_DEADLINE: Duration = Duration::from_secs(10);
 /// How long a create or start may take: libcontainer's work, slow on a loaded node.
 const SLOW_CALL_DEADLINE: Duration = Duration::from_secs(60);
+/// How long a read for a list, a status or stats may take. A monitor answers those from
+/// memory, each call on a task of its own (a create under way does not delay them), within
+/// milliseconds even on a loaded node; one silent that long is reported (pod NotReady) rather
+/// than holding the caller. Under crictl's default 2 s timeout, so `crictl ps` still answers
+/// with a monitor stuck.
+const READ_DEADLINE: Duration = Duration::from_millis(1500);
 
 /// Calls a pod's monitor: one unix-socket connection per call (see `wire`).
 #[derive(Clone)]
@@ -151,7 +157,7 @@ impl MonitorClient {
                 Err(Error::DeadlineExceeded(format!(
                     "{what}: pod monitor at {} did not answer {method:?} within {} s",
                     self.socket.display(),
-                    d.as_secs()
+                    d.as_secs_f64()
                 )))
             }),
         }
@@ -185,6 +191,20 @@ impl MonitorClient {
 
     pub async fn info(&self) -> Result<pb::InfoResponse> {
         self.call(Method::Info, &pb::InfoRequest {}, "pod monitor info")
+            .await
+    }
+
+    /// `info` within the read deadline, for lists, statuses and stats.
+    pub async fn read_info(&self) -> Result<pb::InfoResponse> {
+        let req = pb::InfoRequest {};
+        self.call_within(Method::Info, &req, "pod monitor info", Some(READ_DEADLINE))
+            .await
+    }
+
+    /// `state` within the read deadline, for a container's status.
+    pub async fn read_state(&self, id: &str) -> Result<pb::ContainerState> {
+        let req = pb::ContainerRef { id: id.into() };
+        self.call_within(Method::State, &req, "monitor", Some(READ_DEADLINE))
             .await
     }
 

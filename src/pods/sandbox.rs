@@ -1,43 +1,76 @@
-//! The sandbox room: RunPodSandbox, StopPodSandbox and RemovePodSandbox, a pod's usage and
-//! the files its containers get (resolv.conf, hostname, hosts).
+//! The sandbox room: RunPodSandbox, StopPodSandbox and RemovePodSandbox, a pod's status and
+//! the list (a pod whose monitor does not answer within the read deadline is reported
+//! NotReady, with the reason), and the files its containers get (resolv.conf, hostname,
+//! hosts).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use hako_proto::monitor as pb;
 use hako_runtime::monitor::{NamespaceSet, Options as MonitorOptions};
 
 use super::host::{
-    cgroup_usage, kill_pod_processes, monitor_alive, now_nanos, remove_cgroup,
-    remove_leftover_container_cgroups,
+    kill_pod_processes, monitor_alive, now_nanos, remove_cgroup, remove_leftover_container_cgroups,
 };
 use super::monitor_client::{self, MonitorClient};
 use super::spec::{confined_cgroup_path, pod_cgroup};
 use super::{
-    apply_state, new_id, rootfs, ContainerState, ExitInfo, NsMode, PodRecord, PodSpec, PodState,
-    Runtime, Undo, Usage,
+    apply_state, new_id, rootfs, ContainerState, ContainerView, ExitInfo, NsMode, PodRecord,
+    PodSpec, PodState, PodView, Runtime, Undo,
 };
 use crate::error::{chain, Error, Result};
 use crate::network::IFNAME;
 use crate::store::{Table, RECORD_VERSION};
 
 impl Runtime {
-    /// Current resource usage of a pod's cgroup (its containers' parent).
-    pub fn pod_usage(&self, pod: &PodRecord) -> Usage {
-        let (timestamp, sample, nano_cores) = cgroup_usage(
-            &self.cpu_samples,
-            &format!("pod/{}", pod.id),
-            &pod_cgroup(pod),
-        );
-        Usage {
-            timestamp,
-            sample,
-            nano_cores,
-            writable_bytes: 0,
-            writable_inodes: 0,
-            writable_mountpoint: PathBuf::new(),
+    /// PodSandboxStatus: the pod as its monitor reports it now (within the read deadline).
+    pub async fn pod_view(&self, id: &str) -> Result<PodView> {
+        let pod = self.pod(id)?;
+        let (mut pods, _) = self.views_of(vec![pod], false).await?;
+        pods.pop()
+            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))
+    }
+
+    /// ListPodSandbox: every pod, its monitor asked along with all the others.
+    pub async fn pod_views(&self) -> Result<Vec<PodView>> {
+        Ok(self.views_of(self.pods()?, false).await?.0)
+    }
+
+    /// Views of `pods` after one round of reads of their monitors, and (when `containers`)
+    /// of every container. Records are read again after the reads: a monitor found gone has
+    /// turned its pod NotReady and a pod removed meanwhile is left out.
+    pub(super) async fn views_of(
+        &self,
+        pods: Vec<PodRecord>,
+        containers: bool,
+    ) -> Result<(Vec<PodView>, Vec<ContainerView>)> {
+        let survey = self.survey(&pods).await?;
+        let mut views = Vec::with_capacity(pods.len());
+        for p in pods {
+            let record = match self.store.get::<PodRecord>(Table::Pods, &p.id)? {
+                Some(r) => r,
+                None => continue,
+            };
+            // Not kept in the record: the pod is Ready again once its monitor answers. The
+            // survey has logged it (recovery.rs, `check_monitor`).
+            let unanswered = survey.unanswered.get(&p.id).cloned();
+            let state = match unanswered {
+                Some(_) => PodState::NotReady,
+                None => record.state,
+            };
+            views.push(PodView {
+                record,
+                state,
+                unanswered,
+            });
         }
+        let containers = if containers {
+            self.container_views(&survey)?
+        } else {
+            Vec::new()
+        };
+        Ok((views, containers))
     }
 
     /// RunPodSandbox. A retry of a pod that was created returns it; a failed attempt leaves

@@ -12,23 +12,28 @@ use tonic::{Request, Response, Status};
 use super::{convert, status, unimplemented};
 use crate::daemon::Daemon;
 use crate::error::Error;
+use crate::pods::{PodRecord, PodStats, PodView};
 
 pub struct Runtime {
     pub(super) daemon: Arc<Daemon>,
 }
 
-impl Runtime {
-    async fn pod_stats(&self, pod: &crate::pods::PodRecord) -> Result<cri::PodSandboxStats, Error> {
-        let rt = &self.daemon.runtime;
-        let containers = rt
-            .containers()
-            .await?
-            .iter()
-            .filter(|c| c.record.pod_id == pod.id)
-            .map(|c| convert::container_stats(c, &rt.container_usage(&c.record)))
-            .collect();
-        Ok(convert::pod_stats(pod, &rt.pod_usage(pod), containers))
+/// The pod's record with the state it is reported in (NotReady while its monitor does not
+/// answer), for the conversions that read the record.
+fn reported(v: &PodView) -> PodRecord {
+    PodRecord {
+        state: v.state,
+        ..v.record.clone()
     }
+}
+
+fn pod_stats(s: &PodStats) -> cri::PodSandboxStats {
+    let containers = s
+        .containers
+        .iter()
+        .map(|(c, u)| convert::container_stats(c, u))
+        .collect();
+    convert::pod_stats(&s.pod.record, &s.usage, containers)
 }
 
 type EventStream =
@@ -142,10 +147,12 @@ impl RuntimeService for Runtime {
         let pods = self
             .daemon
             .runtime
-            .pods()
+            .pod_views()
+            .await
             .map_err(|e| status("ListPodSandbox", e))?;
         let items = pods
             .iter()
+            .map(reported)
             .filter(|p| f.id.is_empty() || p.id.starts_with(&f.id))
             .filter(|p| {
                 f.state
@@ -153,7 +160,7 @@ impl RuntimeService for Runtime {
                     .is_none_or(|s| convert::pod_item(p).state == s.state)
             })
             .filter(|p| convert::labels_match(&p.spec.labels, &f.label_selector))
-            .map(convert::pod_item)
+            .map(|p| convert::pod_item(&p))
             .collect();
         Ok(Response::new(cri::ListPodSandboxResponse { items }))
     }
@@ -191,19 +198,19 @@ impl RuntimeService for Runtime {
         req: Request<cri::ListContainerStatsRequest>,
     ) -> Result<Response<cri::ListContainerStatsResponse>, Status> {
         let f = req.into_inner().filter.unwrap_or_default();
-        let rt = &self.daemon.runtime;
-        let all = rt
-            .containers()
-            .await
-            .map_err(|e| status("ListContainerStats", e))?;
-        let stats = all
-            .iter()
-            .filter(|c| f.id.is_empty() || c.record.id.starts_with(&f.id))
-            .filter(|c| {
-                f.pod_sandbox_id.is_empty() || c.record.pod_id.starts_with(&f.pod_sandbox_id)
+        let stats = self
+            .daemon
+            .runtime
+            .list_container_stats(|c| {
+                (f.id.is_empty() || c.record.id.starts_with(&f.id))
+                    && (f.pod_sandbox_id.is_empty()
+                        || c.record.pod_id.starts_with(&f.pod_sandbox_id))
+                    && convert::labels_match(&c.record.spec.labels, &f.label_selector)
             })
-            .filter(|c| convert::labels_match(&c.record.spec.labels, &f.label_selector))
-            .map(|c| convert::container_stats(c, &rt.container_usage(&c.record)))
+            .await
+            .map_err(|e| status("ListContainerStats", e))?
+            .iter()
+            .map(|(c, u)| convert::container_stats(c, u))
             .collect();
         Ok(Response::new(cri::ListContainerStatsResponse { stats }))
     }
@@ -213,12 +220,13 @@ impl RuntimeService for Runtime {
         req: Request<cri::ContainerStatsRequest>,
     ) -> Result<Response<cri::ContainerStatsResponse>, Status> {
         let id = req.into_inner().container_id;
-        let rt = &self.daemon.runtime;
-        let v = rt
-            .container(&id)
+        let (v, u) = self
+            .daemon
+            .runtime
+            .container_stats(&id)
             .await
             .map_err(|e| status("ContainerStats", e))?;
-        let stats = convert::container_stats(&v, &rt.container_usage(&v.record));
+        let stats = convert::container_stats(&v, &u);
         Ok(Response::new(cri::ContainerStatsResponse {
             stats: Some(stats),
         }))
@@ -229,24 +237,18 @@ impl RuntimeService for Runtime {
         req: Request<cri::ListPodSandboxStatsRequest>,
     ) -> Result<Response<cri::ListPodSandboxStatsResponse>, Status> {
         let f = req.into_inner().filter.unwrap_or_default();
-        let mut stats = Vec::new();
-        for p in self
+        let stats = self
             .daemon
             .runtime
-            .pods()
+            .list_pod_stats(|p| {
+                (f.id.is_empty() || p.record.id.starts_with(&f.id))
+                    && convert::labels_match(&p.record.spec.labels, &f.label_selector)
+            })
+            .await
             .map_err(|e| status("ListPodSandboxStats", e))?
-        {
-            if (!f.id.is_empty() && !p.id.starts_with(&f.id))
-                || !convert::labels_match(&p.spec.labels, &f.label_selector)
-            {
-                continue;
-            }
-            stats.push(
-                self.pod_stats(&p)
-                    .await
-                    .map_err(|e| status("ListPodSandboxStats", e))?,
-            );
-        }
+            .iter()
+            .map(pod_stats)
+            .collect();
         Ok(Response::new(cri::ListPodSandboxStatsResponse { stats }))
     }
 
@@ -255,17 +257,14 @@ impl RuntimeService for Runtime {
         req: Request<cri::PodSandboxStatsRequest>,
     ) -> Result<Response<cri::PodSandboxStatsResponse>, Status> {
         let id = req.into_inner().pod_sandbox_id;
-        let pod = self
+        let stats = self
             .daemon
             .runtime
-            .pod(&id)
-            .map_err(|e| status("PodSandboxStats", e))?;
-        let stats = self
-            .pod_stats(&pod)
+            .pod_stats(&id)
             .await
             .map_err(|e| status("PodSandboxStats", e))?;
         Ok(Response::new(cri::PodSandboxStatsResponse {
-            stats: Some(stats),
+            stats: Some(pod_stats(&stats)),
         }))
     }
 
@@ -336,17 +335,23 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::PodSandboxStatusResponse>, Status> {
         let req = req.into_inner();
         tracing::debug!(rpc = "PodSandboxStatus", pod = %req.pod_sandbox_id);
-        let pod = self
+        let view = self
             .daemon
             .runtime
-            .pod(&req.pod_sandbox_id)
+            .pod_view(&req.pod_sandbox_id)
+            .await
             .map_err(|e| status("PodSandboxStatus", e))?;
         let mut resp = cri::PodSandboxStatusResponse {
-            status: Some(convert::pod_status(&pod)),
+            status: Some(convert::pod_status(&reported(&view))),
             ..Default::default()
         };
         if req.verbose {
-            let info = serde_json::json!({"monitorPid": pod.monitor_pid, "namespaces": pod.namespaces, "spec": pod.spec});
+            let pod = &view.record;
+            let mut info = serde_json::json!({"monitorPid": pod.monitor_pid, "namespaces": pod.namespaces, "spec": pod.spec});
+            // CRI's pod status has no reason field: why a Ready pod is reported NotReady.
+            if let Some(why) = &view.unanswered {
+                info["notReadyReason"] = why.as_str().into();
+            }
             resp.info.insert("info".into(), info.to_string());
         }
         Ok(Response::new(resp))

@@ -1,0 +1,455 @@
+//! The stats room: ContainerStats, ListContainerStats, PodSandboxStats and
+//! ListPodSandboxStats. Cgroup readings (with CPU rates from the previous reading) and the
+//! disk use of a container's writable layer, read off the async workers. The top room: it
+//! takes its views from the sandbox and container rooms.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::{FileStat, Mode, SFlag};
+
+use super::host::now_nanos;
+use super::spec::pod_cgroup;
+use super::{ContainerRecord, ContainerView, PodView, Runtime};
+use crate::error::{Error, Result};
+
+/// Resource usage of a container or pod, as the stats RPCs report it.
+#[derive(Debug, Clone)]
+pub struct Usage {
+    pub timestamp: i64,
+    pub sample: Option<hako_runtime::stats::Sample>,
+    /// CPU use since the previous reading, in nanocores.
+    pub nano_cores: Option<u64>,
+    pub writable_bytes: u64,
+    pub writable_inodes: u64,
+    pub writable_mountpoint: PathBuf,
+}
+
+/// A pod's stats: its view, its cgroup's usage and its containers'.
+pub struct PodStats {
+    pub pod: PodView,
+    pub usage: Usage,
+    pub containers: Vec<(ContainerView, Usage)>,
+}
+
+/// Bounds of one walk of a writable layer. Its content is the container's to shape: millions
+/// of entries, or a nesting deeper than the daemon's descriptors (one open directory and its
+/// listing per level). Stats must stay cheap whatever it holds; past a bound the walk stops
+/// and what it counted is reported (a lower bound).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct WalkLimit {
+    pub entries: u64,
+    pub depth: usize,
+    pub time: Duration,
+}
+
+/// A real layer of a million files is walked in well under a second with a warm cache; 64
+/// levels hold 128 descriptors per walk, `USAGE_READS_AT_ONCE` walks at a time.
+const LAYER_WALK: WalkLimit = WalkLimit {
+    entries: 1_000_000,
+    depth: 64,
+    time: Duration::from_secs(1),
+};
+
+/// Usage readings (cgroup files, a layer walk) in flight at once for one list: the node has
+/// few cores, and each walk holds descriptors.
+const USAGE_READS_AT_ONCE: usize = 2;
+
+/// What a walk counted: bytes of the blocks in use (each inode once, so hard links count
+/// once), inodes, and the bound that stopped it, if one did.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(super) struct Walked {
+    pub bytes: u64,
+    pub inodes: u64,
+    pub stopped: Option<&'static str>,
+}
+
+/// Last CPU reading per cgroup key (time, cumulative ns), for usage rates. Keys are container
+/// ids and `pod/<id>`; each stats list forgets those of objects that are gone.
+#[derive(Default)]
+pub(super) struct CpuSamples(Mutex<HashMap<String, (i64, u64)>>);
+
+impl CpuSamples {
+    /// Records the reading `usage_ns` at `now` under `key`; the rate since the previous one,
+    /// in nanocores.
+    fn rate(&self, key: &str, now: i64, usage_ns: u64) -> Option<u64> {
+        let mut m = self.0.lock().expect("cpu samples poisoned");
+        let (t, u) = m.insert(key.to_string(), (now, usage_ns))?;
+        let dt = (now - t) as f64;
+        (dt > 0.0 && usage_ns >= u).then(|| ((usage_ns - u) as f64 * 1e9 / dt) as u64)
+    }
+
+    /// Keeps the readings of the `containers` and, when `pods` is given, of those pods (when
+    /// not, every pod's): what is not in the lists just read was removed.
+    fn keep_only(&self, pods: Option<&HashSet<&str>>, containers: &HashSet<&str>) {
+        self.0
+            .lock()
+            .expect("cpu samples poisoned")
+            .retain(|k, _| match k.strip_prefix("pod/") {
+                Some(pod) => pods.is_none_or(|ps| ps.contains(pod)),
+                None => containers.contains(k.as_str()),
+            });
+    }
+
+    #[cfg(test)]
+    fn keys(&self) -> Vec<String> {
+        let mut k: Vec<String> = self.0.lock().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    }
+}
+
+impl Runtime {
+    /// ContainerStats.
+    pub async fn container_stats(&self, id: &str) -> Result<(ContainerView, Usage)> {
+        let v = self.container(id).await?;
+        let u = self.container_usage(&v.record).await?;
+        Ok((v, u))
+    }
+
+    /// ListContainerStats: the containers `keep` selects, with their usage. One round of
+    /// monitor reads for all (see `survey`).
+    pub async fn list_container_stats(
+        &self,
+        keep: impl Fn(&ContainerView) -> bool,
+    ) -> Result<Vec<(ContainerView, Usage)>> {
+        let all = self.containers().await?;
+        self.prune_cpu_samples(None, &all);
+        self.with_usage(all.into_iter().filter(|c| keep(c)).collect())
+            .await
+    }
+
+    /// PodSandboxStats.
+    pub async fn pod_stats(&self, id: &str) -> Result<PodStats> {
+        let pod = self.pod(id)?;
+        let (pods, containers) = self.views_of(vec![pod], true).await?;
+        let pod = pods
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))?;
+        let containers = containers
+            .into_iter()
+            .filter(|c| c.record.pod_id == pod.record.id)
+            .collect();
+        self.pod_stats_of(pod, containers).await
+    }
+
+    /// ListPodSandboxStats: the pods `keep` selects, with their containers. One round of
+    /// monitor reads for all.
+    pub async fn list_pod_stats(&self, keep: impl Fn(&PodView) -> bool) -> Result<Vec<PodStats>> {
+        let (pods, containers) = self.views_of(self.pods()?, true).await?;
+        self.prune_cpu_samples(Some(&pods), &containers);
+        let mut by_pod: HashMap<String, Vec<ContainerView>> = HashMap::new();
+        for c in containers {
+            by_pod.entry(c.record.pod_id.clone()).or_default().push(c);
+        }
+        let mut out = Vec::new();
+        for pod in pods.into_iter().filter(|p| keep(p)) {
+            let cs = by_pod.remove(&pod.record.id).unwrap_or_default();
+            out.push(self.pod_stats_of(pod, cs).await?);
+        }
+        Ok(out)
+    }
+
+    async fn pod_stats_of(&self, pod: PodView, containers: Vec<ContainerView>) -> Result<PodStats> {
+        let key = format!("pod/{}", pod.record.id);
+        let cgroup = pod_cgroup(&pod.record);
+        let (timestamp, sample) = blocking(move || Ok(cgroup_sample(&cgroup))).await?;
+        let usage = Usage {
+            timestamp,
+            nano_cores: sample.and_then(|s| self.cpu_samples.rate(&key, timestamp, s.cpu_usage_ns)),
+            sample,
+            writable_bytes: 0,
+            writable_inodes: 0,
+            writable_mountpoint: PathBuf::new(),
+        };
+        Ok(PodStats {
+            pod,
+            usage,
+            containers: self.with_usage(containers).await?,
+        })
+    }
+
+    /// Each view with its usage, a few readings at a time, in order.
+    async fn with_usage(&self, views: Vec<ContainerView>) -> Result<Vec<(ContainerView, Usage)>> {
+        futures::stream::iter(views)
+            .map(|v| async move {
+                let u = self.container_usage(&v.record).await?;
+                Ok((v, u))
+            })
+            .buffered(USAGE_READS_AT_ONCE)
+            .collect::<Vec<Result<_>>>()
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// Current usage of a container: its cgroup and its writable layer, read off the async
+    /// workers.
+    async fn container_usage(&self, c: &ContainerRecord) -> Result<Usage> {
+        let upper = self.layer_dir(&c.id).join("upper");
+        let (cgroup, id) = (c.cgroups_path.clone(), c.id.clone());
+        let ((timestamp, sample), walked) = blocking(move || {
+            let cg = cgroup_sample(&cgroup);
+            let walked = match walk(&upper, LAYER_WALK) {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::debug!(container = %id, layer = %upper.display(), error = %e, "writable layer not measured");
+                    Walked::default()
+                }
+            };
+            Ok((cg, walked))
+        })
+        .await?;
+        if let Some(bound) = walked.stopped {
+            tracing::info!(container = %c.id, bytes = walked.bytes, inodes = walked.inodes, bound, "writable layer walk stopped at a bound: its usage is a lower bound");
+        }
+        Ok(Usage {
+            timestamp,
+            nano_cores: sample
+                .and_then(|s| self.cpu_samples.rate(&c.id, timestamp, s.cpu_usage_ns)),
+            sample,
+            writable_bytes: walked.bytes,
+            writable_inodes: walked.inodes,
+            writable_mountpoint: self.root_dir.join("containers"),
+        })
+    }
+
+    /// Forgets the CPU readings of containers, and of pods when `pods` is given, that are not
+    /// in the lists just read (removed since): the samples would otherwise only grow.
+    fn prune_cpu_samples(&self, pods: Option<&[PodView]>, containers: &[ContainerView]) {
+        let containers: HashSet<&str> = containers.iter().map(|c| c.record.id.as_str()).collect();
+        let pods: Option<HashSet<&str>> =
+            pods.map(|ps| ps.iter().map(|p| p.record.id.as_str()).collect());
+        self.cpu_samples.keep_only(pods.as_ref(), &containers);
+    }
+}
+
+/// Runs blocking reads (cgroup files, a directory walk) on the blocking pool.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Internal(format!("stats task: {e}")))?
+}
+
+/// A cgroup's reading and its time; none when the cgroup cannot be read (gone, never made).
+fn cgroup_sample(cgroups_path: &str) -> (i64, Option<hako_runtime::stats::Sample>) {
+    let now = now_nanos();
+    match hako_runtime::stats::sample(cgroups_path) {
+        Ok(s) => (now, Some(s)),
+        Err(e) => {
+            tracing::debug!(cgroup = cgroups_path, error = %e, "no cgroup stats");
+            (now, None)
+        }
+    }
+}
+
+/// The disk use of the tree at `root`, within `limit`. Never follows a symlink: one counts as
+/// itself, and every directory is opened relative to its parent with O_NOFOLLOW, so a
+/// directory swapped for a symlink during the walk fails to open instead of leading out of
+/// the layer. Entries that vanish or cannot be read are skipped. Blocking.
+pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
+    let until = Instant::now() + limit.time;
+    let mut seen = HashSet::new();
+    let mut w = Walked::default();
+    let mut count = |st: &FileStat, w: &mut Walked| {
+        if seen.insert((st.st_dev, st.st_ino)) {
+            w.bytes += st.st_blocks as u64 * 512;
+            w.inodes += 1;
+        }
+    };
+    let top = open_dir(None, root.as_os_str())?;
+    count(&nix::sys::stat::fstat(top.as_raw_fd())?, &mut w);
+    let listing = entries_of(&top)?;
+    // One open directory (and its listing) per level of the current path.
+    let mut stack = vec![(top, listing)];
+    let mut visited = 0u64;
+    loop {
+        let depth = stack.len();
+        let Some((dir, listing)) = stack.last_mut() else {
+            break;
+        };
+        let Some(entry) = listing.next() else {
+            stack.pop();
+            continue;
+        };
+        if visited >= limit.entries {
+            w.stopped = Some("entries");
+            break;
+        }
+        if Instant::now() >= until {
+            w.stopped = Some("time");
+            break;
+        }
+        visited += 1;
+        let Ok(entry) = entry else { continue };
+        let name = entry.file_name();
+        let Ok(st) = nix::sys::stat::fstatat(
+            Some(dir.as_raw_fd()),
+            name.as_os_str(),
+            AtFlags::AT_SYMLINK_NOFOLLOW,
+        ) else {
+            continue;
+        };
+        count(&st, &mut w);
+        if st.st_mode & SFlag::S_IFMT.bits() != SFlag::S_IFDIR.bits() {
+            continue;
+        }
+        if depth >= limit.depth {
+            w.stopped = Some("depth");
+            continue;
+        }
+        let Ok(child) = open_dir(Some(&*dir), &name) else {
+            continue;
+        };
+        if let Ok(l) = entries_of(&child) {
+            stack.push((child, l));
+        }
+    }
+    Ok(w)
+}
+
+/// Opens the directory `name` (relative to `dir`, or a path when none) without following a
+/// symlink in its last component.
+fn open_dir(dir: Option<&File>, name: &std::ffi::OsStr) -> io::Result<File> {
+    let fd = nix::fcntl::openat(
+        dir.map(|d| d.as_raw_fd()),
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    // SAFETY: `fd` was just returned by a successful open and is owned by no one else.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+/// The entries of an open directory (through its descriptor's /proc link, which names that
+/// very directory).
+fn entries_of(dir: &File) -> io::Result<std::fs::ReadDir> {
+    std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WIDE: WalkLimit = WalkLimit {
+        entries: u64::MAX,
+        depth: usize::MAX,
+        time: Duration::from_secs(3600),
+    };
+
+    /// A layer with a directory, two files and a hard link between them.
+    fn layer() -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir(d.path().join("dir")).unwrap();
+        std::fs::write(d.path().join("dir/a"), vec![1u8; 64 << 10]).unwrap();
+        std::fs::write(d.path().join("b"), vec![2u8; 16 << 10]).unwrap();
+        std::fs::hard_link(d.path().join("b"), d.path().join("dir/b-again")).unwrap();
+        d
+    }
+
+    #[test]
+    fn the_walk_counts_blocks_and_inodes_once() {
+        let d = layer();
+        let w = walk(d.path(), WIDE).unwrap();
+        // The root, dir, a, b (its second name is the same inode).
+        assert_eq!(w.inodes, 4, "{w:?}");
+        assert!(w.bytes >= (64 + 16) << 10, "{w:?}");
+        assert_eq!(w.stopped, None);
+    }
+
+    #[test]
+    fn the_walk_follows_no_symlink() {
+        // Bounded, so that a walk that does follow them ends (and fails here) instead of
+        // walking the host.
+        const WIDE: WalkLimit = WalkLimit {
+            entries: 100_000,
+            depth: 64,
+            time: Duration::from_secs(20),
+        };
+        let d = layer();
+        let before = walk(d.path(), WIDE).unwrap();
+        // A big directory beside the layer, and the host's root, each behind a symlink.
+        let big = tempfile::tempdir().unwrap();
+        for i in 0..50 {
+            std::fs::write(big.path().join(i.to_string()), vec![3u8; 64 << 10]).unwrap();
+        }
+        std::os::unix::fs::symlink(big.path(), d.path().join("big")).unwrap();
+        std::os::unix::fs::symlink("/", d.path().join("dir/root")).unwrap();
+        let after = walk(d.path(), WIDE).unwrap();
+        // Each symlink counts as itself (a fast symlink: an inode, no block).
+        assert_eq!(after.inodes, before.inodes + 2, "{after:?}");
+        assert!(
+            after.bytes < before.bytes + (64 << 10),
+            "{after:?} {before:?}"
+        );
+        assert_eq!(after.stopped, None);
+        // A layer root that is itself a symlink is not walked.
+        let link = big.path().join("layer-link");
+        std::os::unix::fs::symlink(d.path(), &link).unwrap();
+        assert!(walk(&link, WIDE).is_err());
+    }
+
+    #[test]
+    fn a_bounded_walk_stops_and_reports_what_it_counted() {
+        let d = tempfile::tempdir().unwrap();
+        for i in 0..100 {
+            std::fs::write(d.path().join(i.to_string()), b"x").unwrap();
+        }
+        let w = walk(
+            d.path(),
+            WalkLimit {
+                entries: 10,
+                ..WIDE
+            },
+        )
+        .unwrap();
+        assert_eq!(w.stopped, Some("entries"));
+        // The root and the ten entries visited.
+        assert_eq!(w.inodes, 11, "{w:?}");
+        let w = walk(
+            d.path(),
+            WalkLimit {
+                time: Duration::ZERO,
+                ..WIDE
+            },
+        )
+        .unwrap();
+        assert_eq!((w.stopped, w.inodes), (Some("time"), 1));
+        // Walked two levels deep (the root's and 1's entries): 2 is counted, not entered.
+        let deep = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(deep.path().join("1/2/3")).unwrap();
+        std::fs::write(deep.path().join("1/2/3/f"), b"x").unwrap();
+        let w = walk(deep.path(), WalkLimit { depth: 2, ..WIDE }).unwrap();
+        assert_eq!((w.stopped, w.inodes), (Some("depth"), 3), "{w:?}");
+        assert_eq!(walk(deep.path(), WIDE).unwrap().inodes, 5);
+    }
+
+    #[test]
+    fn cpu_rates_come_from_two_readings_and_gone_objects_are_forgotten() {
+        let s = CpuSamples::default();
+        assert_eq!(
+            s.rate("a", 1_000_000_000, 0),
+            None,
+            "one reading is no rate"
+        );
+        // Half a core: 0.5 s of CPU in 1 s.
+        assert_eq!(s.rate("a", 2_000_000_000, 500_000_000), Some(500_000_000));
+        for k in ["b", "pod/p", "pod/q"] {
+            s.rate(k, 1, 1);
+        }
+        // A container list: containers not in it go, pods stay.
+        s.keep_only(None, &HashSet::from(["a"]));
+        assert_eq!(s.keys(), ["a", "pod/p", "pod/q"]);
+        // A pod list too: pods not in it go.
+        s.keep_only(Some(&HashSet::from(["q"])), &HashSet::from(["a"]));
+        assert_eq!(s.keys(), ["a", "pod/q"]);
+    }
+}
