@@ -103,6 +103,31 @@ pub fn chain(err: &(dyn std::error::Error + 'static)) -> String {
     out
 }
 
+/// The runtime crate's errors by kind: this is where each of its causes gets its gRPC code
+/// (through the kind, in `server::status`). The message is the whole chain.
+impl From<hako_runtime::Error> for Error {
+    fn from(e: hako_runtime::Error) -> Self {
+        use hako_runtime::Error as R;
+        let msg = chain(&e);
+        match e {
+            // The request names a profile that is malformed.
+            R::SeccompSyntax { .. } | R::SeccompProfile { .. } | R::AppArmorEmptyName => {
+                Error::InvalidArgument(msg)
+            }
+            // Limits the kernel or libcgroups refuses.
+            R::Resources { .. } | R::CgroupUpdate { .. } => Error::InvalidArgument(msg),
+            // What the request names is not on this host.
+            R::AppArmorNotLoaded { .. } | R::CgroupNotFound { .. } => Error::NotFound(msg),
+            // The host cannot do what is asked as it is set up.
+            R::AppArmorNotEnabled { .. } | R::AppArmorNoParser { .. } | R::AppArmorLoad { .. } => {
+                Error::FailedPrecondition(msg)
+            }
+            R::Io { op, path, source } => Error::Io { op, path, source },
+            R::CgroupRead { .. } | R::InvalidSpec(_) => Error::Internal(msg),
+        }
+    }
+}
+
 impl From<redb::Error> for Error {
     fn from(e: redb::Error) -> Self {
         Error::Store(chain(&e))
@@ -139,6 +164,128 @@ mod tests {
             std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied"),
         );
         assert_eq!(chain(&e), "create /x/y: denied");
+    }
+
+    /// Each cause of the runtime crate reaches the client with its code and its whole chain.
+    #[test]
+    fn runtime_errors_map_to_grpc_codes() {
+        use hako_runtime::error::ProfileDefect;
+        use hako_runtime::Error as R;
+        use tonic::Code;
+        let json_error = || serde_json::from_str::<u32>("x").unwrap_err();
+        let io = || std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied");
+        let cases: Vec<(R, Code, &str)> = vec![
+            (
+                R::SeccompSyntax {
+                    profile: "/p.json".into(),
+                    source: json_error(),
+                },
+                Code::InvalidArgument,
+                "seccomp profile /p.json: expected value at line 1 column 1",
+            ),
+            (
+                R::SeccompProfile {
+                    profile: "/p.json".into(),
+                    defect: ProfileDefect::NoAction(2),
+                },
+                Code::InvalidArgument,
+                "seccomp profile /p.json: syscalls[2] has no action",
+            ),
+            (
+                R::AppArmorEmptyName,
+                Code::InvalidArgument,
+                "apparmor localhost profile has no name",
+            ),
+            (
+                R::AppArmorNotEnabled {
+                    profile: "runtime/default".into(),
+                },
+                Code::FailedPrecondition,
+                "apparmor profile runtime/default was requested, but apparmor is not enabled on this host",
+            ),
+            (
+                R::AppArmorNotLoaded {
+                    profile: "mine".into(),
+                },
+                Code::NotFound,
+                "apparmor profile mine is not loaded",
+            ),
+            (
+                R::AppArmorNoParser {
+                    profile: "hako-default".into(),
+                    parser: "apparmor_parser",
+                },
+                Code::FailedPrecondition,
+                "apparmor profile hako-default is not loaded and apparmor_parser is not installed to load it",
+            ),
+            (
+                R::AppArmorLoad {
+                    profile: "hako-default".into(),
+                    parser: "/sbin/apparmor_parser".into(),
+                    status: std::os::unix::process::ExitStatusExt::from_raw(256),
+                    stderr: "syntax error".into(),
+                },
+                Code::FailedPrecondition,
+                "load apparmor profile hako-default: /sbin/apparmor_parser exit status: 1: syntax error",
+            ),
+            (
+                R::Io {
+                    op: "read",
+                    path: "/sys/kernel/security/apparmor/profiles".into(),
+                    source: io(),
+                },
+                Code::Internal,
+                "read /sys/kernel/security/apparmor/profiles: denied",
+            ),
+            (
+                R::CgroupNotFound {
+                    path: "/hako/p/hako-c".into(),
+                },
+                Code::NotFound,
+                "cgroup /hako/p/hako-c does not exist",
+            ),
+            (
+                R::CgroupUpdate {
+                    path: "/hako/p/hako-c".into(),
+                    source: Box::new(io()),
+                },
+                Code::InvalidArgument,
+                "update cgroup /hako/p/hako-c: denied",
+            ),
+            (
+                R::CgroupRead {
+                    path: "/hako/p/hako-c".into(),
+                    source: Box::new(io()),
+                },
+                Code::Internal,
+                "read cgroup /hako/p/hako-c: denied",
+            ),
+            (
+                R::Resources {
+                    path: "/hako/p/hako-c".into(),
+                    source: json_error(),
+                },
+                Code::InvalidArgument,
+                "resources for cgroup /hako/p/hako-c: expected value",
+            ),
+            (
+                R::InvalidSpec(json_error()),
+                Code::Internal,
+                "generated OCI spec is invalid: expected value",
+            ),
+        ];
+        for (runtime, code, message) in cases {
+            let what = format!("{runtime:?}");
+            let status = crate::server::status("Test", Error::from(runtime).context("container c"));
+            assert_eq!(status.code(), code, "{what}");
+            assert!(
+                status
+                    .message()
+                    .starts_with(&format!("container c: {message}")),
+                "{what}: {}",
+                status.message()
+            );
+        }
     }
 
     #[test]

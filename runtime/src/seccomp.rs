@@ -22,6 +22,8 @@
 
 use serde_json::{json, Value};
 
+use crate::error::{Error, ProfileDefect, Result};
+
 /// Allowed for every container, grouped by what they are for.
 const ALLOWED: &[&[&str]] = &[
     // Processes, threads and their limits.
@@ -630,15 +632,32 @@ fn cap_name(c: &str) -> String {
     }
 }
 
-/// A seccomp profile in the docker/Kubernetes file format (as Localhost profiles are written)
-/// to OCI form: `archMap` flattened, `name` folded into `names`, capability-conditional
-/// entries kept when the container holds the capability.
-pub fn profile_to_oci(profile: &Value, caps: &[String]) -> Result<Value, String> {
-    let obj = profile.as_object().ok_or("profile is not a JSON object")?;
+/// The text of seccomp profile `name` (a Localhost profile's path) in the docker/Kubernetes
+/// file format, in OCI form for a container holding `caps` (see [`profile_to_oci`]).
+pub fn localhost_profile(name: &str, text: &[u8], caps: &[String]) -> Result<Value> {
+    let json: Value = serde_json::from_slice(text).map_err(|source| Error::SeccompSyntax {
+        profile: name.to_string(),
+        source,
+    })?;
+    profile_to_oci(name, &json, caps)
+}
+
+/// Seccomp profile `name` in the docker/Kubernetes file format (as Localhost profiles are
+/// written) to OCI form: `archMap` flattened, `name` folded into `names`,
+/// capability-conditional entries kept when the container holds the capability.
+pub fn profile_to_oci(name: &str, profile: &Value, caps: &[String]) -> Result<Value> {
+    convert(profile, caps).map_err(|defect| Error::SeccompProfile {
+        profile: name.to_string(),
+        defect,
+    })
+}
+
+fn convert(profile: &Value, caps: &[String]) -> Result<Value, ProfileDefect> {
+    let obj = profile.as_object().ok_or(ProfileDefect::NotAnObject)?;
     let default = obj
         .get("defaultAction")
         .and_then(|v| v.as_str())
-        .ok_or("profile has no defaultAction")?;
+        .ok_or(ProfileDefect::NoDefaultAction)?;
     let mut out = json!({"defaultAction": default});
     if let Some(e) = obj.get("defaultErrnoRet") {
         out["defaultErrnoRet"] = e.clone();
@@ -700,9 +719,9 @@ pub fn profile_to_oci(profile: &Value, caps: &[String]) -> Result<Value, String>
         let action = sc
             .get("action")
             .and_then(|a| a.as_str())
-            .ok_or(format!("syscalls[{i}] has no action"))?;
+            .ok_or(ProfileDefect::NoAction(i))?;
         if names.is_empty() {
-            return Err(format!("syscalls[{i}] names no syscall"));
+            return Err(ProfileDefect::NoNames(i));
         }
         let mut e = json!({"names": names, "action": action});
         for k in ["args", "errnoRet"] {
@@ -1117,7 +1136,7 @@ mod tests {
                 {"names": ["mount"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
             ]
         });
-        let oci = profile_to_oci(&p, &["CAP_CHOWN".into()]).unwrap();
+        let oci = profile_to_oci("p.json", &p, &["CAP_CHOWN".into()]).unwrap();
         assert_eq!(
             oci["architectures"],
             json!(["SCMP_ARCH_X86_64", "SCMP_ARCH_X86"])
@@ -1131,11 +1150,42 @@ mod tests {
             oci["syscalls"][1],
             json!({"names": ["chmod"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1})
         );
-        let with_admin = profile_to_oci(&p, &["CAP_SYS_ADMIN".into()]).unwrap();
+        let with_admin = profile_to_oci("p.json", &p, &["CAP_SYS_ADMIN".into()]).unwrap();
         assert_eq!(with_admin["syscalls"].as_array().unwrap().len(), 3);
-        assert!(profile_to_oci(&json!({"syscalls": []}), &[])
-            .unwrap_err()
-            .contains("defaultAction"));
+        // Refusals name the profile and what is wrong with it.
+        for (bad, defect) in [
+            (json!([]), ProfileDefect::NotAnObject),
+            (json!({"syscalls": []}), ProfileDefect::NoDefaultAction),
+            (
+                json!({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["a"], "action": "SCMP_ACT_ERRNO"}, {"names": ["b"]}]}),
+                ProfileDefect::NoAction(1),
+            ),
+            (
+                json!({"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"action": "SCMP_ACT_ERRNO"}]}),
+                ProfileDefect::NoNames(0),
+            ),
+        ] {
+            match profile_to_oci("/p.json", &bad, &[]) {
+                Err(Error::SeccompProfile { profile, defect: d }) => {
+                    assert_eq!((profile.as_str(), &d), ("/p.json", &defect), "{bad}")
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        let e = profile_to_oci("/p.json", &json!({"syscalls": []}), &[]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "seccomp profile /p.json: profile has no defaultAction"
+        );
+        match localhost_profile("/p.json", b"{not json", &[]) {
+            Err(e @ Error::SeccompSyntax { .. }) => {
+                let source = std::error::Error::source(&e).expect("the parser's error");
+                assert!(source.to_string().contains("line 1"), "{source}");
+                assert_eq!(e.to_string(), "seccomp profile /p.json");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(localhost_profile("/p.json", p.to_string().as_bytes(), &[]).is_ok());
         let typed: Result<oci_spec::runtime::LinuxSeccomp, _> =
             serde_json::from_value(for_libcontainer(oci));
         assert!(typed.is_ok(), "{typed:?}");

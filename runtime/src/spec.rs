@@ -143,7 +143,7 @@ pub enum Seccomp {
     Profile(serde_json::Value),
 }
 
-pub use crate::seccomp::profile_to_oci;
+pub use crate::seccomp::{localhost_profile, profile_to_oci};
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct Resources {
@@ -527,9 +527,10 @@ pub fn generate_json(s: &ContainerSpec) -> Value {
     spec
 }
 
-/// An OCI spec in JSON form (generated, then edited by CDI), typed.
-pub fn typed(v: Value) -> Result<Spec, String> {
-    serde_json::from_value(v).map_err(|e| format!("generated OCI spec is invalid: {e}"))
+/// An OCI spec in JSON form (generated, then edited by CDI), typed; one that does not parse
+/// is [`crate::Error::InvalidSpec`], a bug.
+pub fn typed(v: Value) -> crate::Result<Spec> {
+    serde_json::from_value(v).map_err(crate::Error::InvalidSpec)
 }
 
 #[cfg(test)]
@@ -895,7 +896,10 @@ mod tests {
         assert_eq!(process.args().as_ref().unwrap(), &["sh".to_string()]);
         assert_eq!(s.hostname().as_deref(), Some("pod"));
         let e = typed(json!({"ociVersion": 1})).unwrap_err();
-        assert!(e.contains("generated OCI spec is invalid"), "{e}");
+        assert!(matches!(e, crate::Error::InvalidSpec(_)), "{e:?}");
+        assert_eq!(e.to_string(), "generated OCI spec is invalid");
+        let source = std::error::Error::source(&e).expect("serde's error as the source");
+        assert!(source.to_string().contains("invalid type"), "{source}");
     }
 
     #[test]

@@ -1,9 +1,11 @@
 //! A container's cgroup through libcgroups (v1, hybrid and v2): usage readings, and resource
 //! limits changed while it runs.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use libcgroups::common::{create_cgroup_manager, CgroupConfig, CgroupManager, ControllerOpt};
+
+use crate::error::{BoxError, Error, Result};
 
 /// One reading of a cgroup.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -19,18 +21,59 @@ pub struct Sample {
     pub pids: u64,
 }
 
-fn manager(cgroups_path: &str) -> Result<libcgroups::common::AnyCgroupManager, String> {
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// Whether the cgroup at `cgroups_path` exists under `root`: the directory itself on cgroup
+/// v2, or in any of the usual v1 hierarchies.
+pub fn cgroup_exists(root: &Path, cgroups_path: &str) -> bool {
+    let rel = cgroups_path.trim_start_matches('/');
+    if root.join("cgroup.controllers").exists() {
+        return root.join(rel).is_dir();
+    }
+    ["memory", "cpu", "cpuacct", "pids", "unified"]
+        .iter()
+        .any(|h| root.join(h).join(rel).is_dir())
+}
+
+/// The error for a failed cgroup operation: [`Error::CgroupNotFound`] when the cgroup is not
+/// there (libcgroups keeps that cause in its message only), else `op`'s own variant.
+fn cgroup_error(
+    cgroups_path: &str,
+    source: impl Into<BoxError>,
+    op: fn(String, BoxError) -> Error,
+) -> Error {
+    if cgroup_exists(Path::new(CGROUP_ROOT), cgroups_path) {
+        op(cgroups_path.to_string(), source.into())
+    } else {
+        Error::CgroupNotFound {
+            path: cgroups_path.to_string(),
+        }
+    }
+}
+
+fn read_error(path: String, source: BoxError) -> Error {
+    Error::CgroupRead { path, source }
+}
+
+fn update_error(path: String, source: BoxError) -> Error {
+    Error::CgroupUpdate { path, source }
+}
+
+fn manager(
+    cgroups_path: &str,
+    op: fn(String, BoxError) -> Error,
+) -> Result<libcgroups::common::AnyCgroupManager> {
     create_cgroup_manager(CgroupConfig {
         cgroup_path: PathBuf::from(cgroups_path),
         systemd_cgroup: false,
         container_name: String::new(),
     })
-    .map_err(|e| format!("cgroup {cgroups_path}: {e}"))
+    .map_err(|e| cgroup_error(cgroups_path, e, op))
 }
 
 /// Reads the cgroup at `cgroups_path` (as in the OCI spec, e.g. `/kubepods/pod1/hako-<id>`).
-pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
-    let cm = manager(cgroups_path)?;
+pub fn sample(cgroups_path: &str) -> Result<Sample> {
+    let cm = manager(cgroups_path, read_error)?;
     // libcgroups passes cgroup v2's cpu.stat usage_usec through as is (microseconds); v1's
     // cpuacct.usage is nanoseconds.
     let cpu_scale = match cm {
@@ -39,7 +82,7 @@ pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
     };
     let st = cm
         .stats()
-        .map_err(|e| format!("stats of cgroup {cgroups_path}: {e}"))?;
+        .map_err(|e| cgroup_error(cgroups_path, e, read_error))?;
     let m = &st.memory.stats;
     // v1 names its hierarchical counters total_*; v2 has one set.
     let get = |v1: &str, v2: &str| m.get(v1).or_else(|| m.get(v2)).copied().unwrap_or(0);
@@ -56,18 +99,20 @@ pub fn sample(cgroups_path: &str) -> Result<Sample, String> {
 }
 
 /// Applies new limits to the cgroup at `cgroups_path` (UpdateContainerResources).
-pub fn update(cgroups_path: &str, r: &crate::spec::Resources) -> Result<(), String> {
+pub fn update(cgroups_path: &str, r: &crate::spec::Resources) -> Result<()> {
     let resources: oci_spec::runtime::LinuxResources =
-        serde_json::from_value(crate::spec::limits(r))
-            .map_err(|e| format!("resources for cgroup {cgroups_path}: {e}"))?;
-    let cm = manager(cgroups_path)?;
+        serde_json::from_value(crate::spec::limits(r)).map_err(|source| Error::Resources {
+            path: cgroups_path.to_string(),
+            source,
+        })?;
+    let cm = manager(cgroups_path, update_error)?;
     cm.apply(&ControllerOpt {
         resources: &resources,
         disable_oom_killer: false,
         oom_score_adj: None,
         freezer_state: None,
     })
-    .map_err(|e| format!("update cgroup {cgroups_path}: {e}"))
+    .map_err(|e| cgroup_error(cgroups_path, e, update_error))
 }
 
 /// Whether the node's cgroups can limit hugepages. kubelet sends a limit for every page size
@@ -94,4 +139,38 @@ pub fn drop_unsupported(r: &mut crate::spec::Resources) -> Vec<String> {
         );
     }
     dropped
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_cgroup_is_not_found() {
+        let gone = "/hako-test/no-such-cgroup-4f1d";
+        assert!(matches!(
+            sample(gone),
+            Err(Error::CgroupNotFound { ref path }) if path == gone
+        ));
+        let limits = crate::spec::Resources {
+            pids_limit: Some(10),
+            ..Default::default()
+        };
+        let e = update(gone, &limits).unwrap_err();
+        assert!(matches!(e, Error::CgroupNotFound { .. }), "{e:?}");
+        assert_eq!(e.to_string(), format!("cgroup {gone} does not exist"));
+    }
+
+    #[test]
+    fn cgroup_exists_on_v1_and_v2_layouts() {
+        let v2 = tempfile::tempdir().unwrap();
+        std::fs::write(v2.path().join("cgroup.controllers"), "cpu memory\n").unwrap();
+        std::fs::create_dir_all(v2.path().join("kubepods/pod1")).unwrap();
+        assert!(cgroup_exists(v2.path(), "/kubepods/pod1"));
+        assert!(!cgroup_exists(v2.path(), "/kubepods/pod2"));
+        let v1 = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(v1.path().join("pids/kubepods/pod1")).unwrap();
+        assert!(cgroup_exists(v1.path(), "/kubepods/pod1"));
+        assert!(!cgroup_exists(v1.path(), "/kubepods/pod2"));
+    }
 }

@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use oci_spec::image::ImageConfiguration;
+
 use crate::config::ImageConfig;
 use crate::error::{Error, Result};
 use crate::store::{ImageRecord, Store};
@@ -119,6 +121,18 @@ pub fn user_of(user: &str) -> (Option<i64>, String) {
         Ok(n) => (Some(n), String::new()),
         Err(_) => (None, u.to_string()),
     }
+}
+
+/// Image `name`'s config, typed. Docker's configs carry fields OCI's do not (ignored), and a
+/// null or missing `Env`, `Cmd`, `Entrypoint` or `config` section reads as none. A document
+/// that is not an image config (a field of the wrong type, a missing `rootfs`) is refused,
+/// naming the image. Pulls check configs the same way, so a stored one that fails is corrupt.
+pub fn parse_config(name: &str, bytes: &[u8]) -> Result<ImageConfiguration> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        Error::Internal(format!(
+            "image {name}: config is not a valid image config: {e}"
+        ))
+    })
 }
 
 #[derive(Clone)]
@@ -360,8 +374,7 @@ impl Images {
             return Ok(None);
         };
         let info = if verbose {
-            let config: serde_json::Value = serde_json::from_slice(&self.read_content(&rec.id)?)
-                .map_err(|e| Error::Internal(format!("image {} config: {e}", rec.id)))?;
+            let config = self.config(&rec)?;
             Some(
                 serde_json::json!({
                     "id": rec.id,
@@ -377,6 +390,15 @@ impl Images {
             None
         };
         Ok(Some((ImageInfo::from_record(&rec), info)))
+    }
+
+    /// The config of stored image `rec`, typed (see [`parse_config`]).
+    pub fn config(&self, rec: &ImageRecord) -> Result<ImageConfiguration> {
+        let name = match rec.repo_tags.first() {
+            Some(tag) => format!("{tag} ({})", rec.id),
+            None => rec.id.clone(),
+        };
+        parse_config(&name, &self.read_content(&rec.id)?)
     }
 
     /// Removes the image `spec` names, with all its tags and digests, as containerd does.
@@ -520,6 +542,84 @@ impl Images {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An image config with `config` as its config section (`None`: no section at all).
+    fn config_doc(config: Option<serde_json::Value>) -> Vec<u8> {
+        let mut doc = serde_json::json!({
+            "architecture": "amd64",
+            "os": "linux",
+            "rootfs": {"type": "layers", "diff_ids": []},
+        });
+        if let Some(c) = config {
+            doc["config"] = c;
+        }
+        serde_json::to_vec(&doc).unwrap()
+    }
+
+    #[test]
+    fn image_configs_parse_typed_with_nulls_gaps_and_docker_extras() {
+        // Null lists read as none.
+        let c = parse_config(
+            "img",
+            &config_doc(Some(serde_json::json!({
+                "Env": null, "Cmd": null, "Entrypoint": null, "Volumes": null,
+                "WorkingDir": "", "Labels": null,
+            }))),
+        )
+        .unwrap();
+        let section = c.config().as_ref().unwrap();
+        assert_eq!(section.env(), &None);
+        assert_eq!(section.cmd(), &None);
+        // No config section at all.
+        let c = parse_config("img", &config_doc(None)).unwrap();
+        assert!(c.config().is_none());
+        // Docker's config: fields OCI does not define, at the top and in the section.
+        let mut docker: serde_json::Value =
+            serde_json::from_slice(&config_doc(Some(serde_json::json!({
+                "Hostname": "", "Domainname": "", "User": "1000:50",
+                "AttachStdin": false, "Tty": false, "OpenStdin": false,
+                "ExposedPorts": {"80/tcp": {}},
+                "Env": ["PATH=/bin"], "Cmd": ["sh"], "Image": "sha256:abc",
+                "ArgsEscaped": true, "OnBuild": null, "StopSignal": "SIGQUIT",
+                "Healthcheck": {"Test": ["CMD", "true"]},
+            }))))
+            .unwrap();
+        docker["container_config"] = serde_json::json!({"Cmd": ["/bin/sh", "-c", "#(nop)"]});
+        docker["docker_version"] = "20.10.7".into();
+        docker["container"] = "abc".into();
+        let c = parse_config("img", &serde_json::to_vec(&docker).unwrap()).unwrap();
+        let section = c.config().as_ref().unwrap();
+        assert_eq!(section.user().as_deref(), Some("1000:50"));
+        assert_eq!(
+            section.env().as_deref(),
+            Some(&["PATH=/bin".to_string()][..])
+        );
+        assert_eq!(section.stop_signal().as_deref(), Some("SIGQUIT"));
+        assert_eq!(
+            section.exposed_ports().as_deref(),
+            Some(&["80/tcp".to_string()][..])
+        );
+    }
+
+    #[test]
+    fn an_image_config_of_the_wrong_shape_is_refused_naming_the_image() {
+        let name = "example.com/app:1 (sha256:abc)";
+        for bad in [
+            config_doc(Some(serde_json::json!({"Env": 7}))),
+            config_doc(Some(serde_json::json!({"Cmd": "sh"}))),
+            b"[1, 2]".to_vec(),
+            b"{\"architecture\": \"amd64\", \"os\": \"linux\"}".to_vec(),
+        ] {
+            let e = parse_config(name, &bad).unwrap_err();
+            let m = e.to_string();
+            assert!(
+                m.starts_with(&format!("image {name}: config is not a valid image config")),
+                "{m}"
+            );
+        }
+        let e = parse_config(name, &config_doc(Some(serde_json::json!({"Env": 7})))).unwrap_err();
+        assert!(e.to_string().contains("invalid type: integer `7`"), "{e}");
+    }
 
     #[test]
     fn names_are_normalized_like_containerd() {

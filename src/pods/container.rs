@@ -60,9 +60,7 @@ impl Runtime {
         let image = self.images.find(&req.image)?.ok_or_else(|| {
             Error::NotFound(format!("image {:?} not found: pull it first", req.image))
         })?;
-        let config: serde_json::Value =
-            serde_json::from_slice(&self.images.read_content(&image.id)?)
-                .map_err(|e| Error::Internal(format!("image {} config: {e}", image.id)))?;
+        let config = self.images.config(&image)?;
         let id = new_id();
         let mut undo = Undo::default();
         self.reserve(&key, &id, &mut undo)?;
@@ -136,7 +134,7 @@ impl Runtime {
         if !cdi_names.is_empty() {
             tracing::info!(container = %id, devices = ?cdi_names, "CDI devices injected");
         }
-        let oci = oci::typed(oci).map_err(Error::Internal)?;
+        let oci = oci::typed(oci)?;
         let cfg = bundle.join("config.json");
         oci.save(&cfg)
             .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;
@@ -200,7 +198,7 @@ impl Runtime {
         pod: &PodRecord,
         id: &str,
         req: &ContainerSpecReq,
-        image: &serde_json::Value,
+        image: &oci_spec::image::ImageConfiguration,
         root: &Path,
         target_pid: Option<u32>,
     ) -> Result<spec::Inputs> {
@@ -380,7 +378,7 @@ impl Runtime {
                 .await
                 .map_err(|e| Error::Internal(format!("update task: {e}")))?
                 .map_err(|e| {
-                    Error::InvalidArgument(format!("update resources of container {id}: {e}"))
+                    Error::from(e).context(format!("update resources of container {id}"))
                 })?;
         }
         c.spec.resources = resources;
@@ -594,12 +592,9 @@ fn read_seccomp_profile(path: &str, name: &str) -> Result<Vec<u8>> {
 /// The AppArmor profile of container `name`: decided in spec.rs from whether this host has
 /// AppArmor; a requested profile this host cannot apply is an error.
 fn apparmor_profile(sec: &Security, name: &str) -> Result<Option<String>> {
-    use hako_runtime::apparmor::{self, ApplyError};
+    use hako_runtime::apparmor;
     let decision = spec::apparmor_decision(sec, name, apparmor::host_enabled())?;
-    apparmor::apply(&decision).map_err(|e| match e {
-        ApplyError::NotLoaded(_) => Error::NotFound(format!("container {name}: {e}")),
-        ApplyError::Host(_) => Error::FailedPrecondition(format!("container {name}: {e}")),
-    })
+    apparmor::apply(&decision).map_err(|e| Error::from(e).context(format!("container {name}")))
 }
 
 /// The nodes a CRI device request names.

@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use hako_runtime::spec::{self as oci, ContainerSpec, Ns, Resources};
+use oci_spec::image::{Config, ImageConfiguration};
 
 use super::{ContainerSpecReq, NsMode, PodRecord, Propagation, SeccompReq, Security, UserIds};
 use crate::error::{Error, Result};
@@ -65,7 +66,7 @@ pub struct Planned {
 /// USER (`user[:group]`); `run_as_group` overrides the group. Root when nothing names one.
 pub fn user_to_resolve(
     req: &ContainerSpecReq,
-    image: &serde_json::Value,
+    image: &ImageConfiguration,
 ) -> Result<(String, Option<String>)> {
     let sec = &req.security;
     if sec.run_as_group.is_some() && sec.run_as_user.is_none() && sec.run_as_username.is_empty() {
@@ -74,7 +75,7 @@ pub fn user_to_resolve(
             req.name
         )));
     }
-    let image_user = image["config"]["User"].as_str().unwrap_or("");
+    let image_user = section(image).user().as_deref().unwrap_or("");
     let (user, group) = match (&sec.run_as_user, sec.run_as_username.as_str()) {
         (Some(uid), _) => (uid.to_string(), None),
         (None, name) if !name.is_empty() => (name.to_string(), None),
@@ -91,27 +92,28 @@ pub fn user_to_resolve(
     Ok((user, group))
 }
 
+/// The image config's `config` section; an image without one has all its fields unset.
+fn section(image: &ImageConfiguration) -> &Config {
+    static NONE: std::sync::OnceLock<Config> = std::sync::OnceLock::new();
+    image
+        .config()
+        .as_ref()
+        .unwrap_or_else(|| NONE.get_or_init(Config::default))
+}
+
 /// The OCI-level description of container `id`, from the CRI request, the image config, its
 /// pod and what was read from the host.
 pub fn container_spec(
     pod: &PodRecord,
     id: &str,
     req: &ContainerSpecReq,
-    image: &serde_json::Value,
+    image: &ImageConfiguration,
     inputs: Inputs,
 ) -> Result<Planned> {
-    let ic = &image["config"];
-    let strings = |v: &serde_json::Value| -> Vec<String> {
-        v.as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|x| x.as_str().map(str::to_string))
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
+    let ic = section(image);
+    let strings = |v: &Option<Vec<String>>| v.clone().unwrap_or_default();
     let stop_signal = stop_signal(&req.image, image)?;
-    let (entrypoint, cmd) = (strings(&ic["Entrypoint"]), strings(&ic["Cmd"]));
+    let (entrypoint, cmd) = (strings(ic.entrypoint()), strings(ic.cmd()));
     // Kubernetes: command replaces the entrypoint (and drops the image's cmd); args replace cmd.
     let args: Vec<String> = if !req.command.is_empty() {
         req.command.iter().chain(&req.args).cloned().collect()
@@ -126,7 +128,7 @@ pub fn container_spec(
             req.name
         )));
     }
-    let mut env: Vec<String> = strings(&ic["Env"]);
+    let mut env: Vec<String> = strings(ic.env());
     for (k, v) in &req.envs {
         env.retain(|e| e.split('=').next() != Some(k.as_str()));
         env.push(format!("{k}={v}"));
@@ -141,7 +143,7 @@ pub fn container_spec(
         env.push(format!("HOSTNAME={}", pod.spec.hostname));
     }
     let cwd = if req.working_dir.is_empty() {
-        ic["WorkingDir"].as_str().unwrap_or("").to_string()
+        ic.working_dir().clone().unwrap_or_default()
     } else {
         req.working_dir.clone()
     };
@@ -261,12 +263,7 @@ pub fn container_spec(
                 .seccomp_profile
                 .as_deref()
                 .ok_or_else(|| Error::Internal(format!("seccomp profile {path} was not read")))?;
-            let json: serde_json::Value = serde_json::from_slice(text)
-                .map_err(|e| Error::InvalidArgument(format!("seccomp profile {path}: {e}")))?;
-            oci::Seccomp::Profile(
-                oci::profile_to_oci(&json, &caps)
-                    .map_err(|e| Error::InvalidArgument(format!("seccomp profile {path}: {e}")))?,
-            )
+            oci::Seccomp::Profile(oci::localhost_profile(path, text, &caps)?)
         }
     };
     let log_path = container_log_path(&pod.spec.log_directory, &req.log_path)
@@ -289,8 +286,8 @@ pub fn container_spec(
 }
 
 /// The image's STOPSIGNAL when it has one; one no kernel has is refused, naming the image.
-pub fn stop_signal(image_name: &str, image: &serde_json::Value) -> Result<Option<String>> {
-    match image["config"]["StopSignal"].as_str() {
+pub fn stop_signal(image_name: &str, image: &ImageConfiguration) -> Result<Option<String>> {
+    match section(image).stop_signal().as_deref() {
         Some(sig) if !sig.is_empty() => {
             parse_signal(sig).ok_or_else(|| {
                 Error::InvalidArgument(format!(
@@ -325,11 +322,8 @@ pub fn apparmor_decision(
     name: &str,
     host_enabled: bool,
 ) -> Result<hako_runtime::apparmor::Decision> {
-    use hako_runtime::apparmor::{self, Refusal};
-    apparmor::decide(sec.apparmor.as_ref(), sec.privileged, host_enabled).map_err(|e| match e {
-        Refusal::NotSupported(_) => Error::FailedPrecondition(format!("container {name}: {e}")),
-        Refusal::EmptyName => Error::InvalidArgument(format!("container {name}: {e}")),
-    })
+    hako_runtime::apparmor::decide(sec.apparmor.as_ref(), sec.privileged, host_enabled)
+        .map_err(|e| Error::from(e).context(format!("container {name}")))
 }
 
 /// Where a container's CRI log goes: `log_path` below the pod's `log_directory`. A relative
@@ -500,12 +494,18 @@ mod tests {
     use crate::pods::{ContainerSpecReq, MountReq, PodSpec, PodState, Propagation, SeccompReq};
     use hako_runtime::apparmor::{Decision, Request as AppArmorReq};
 
-    /// What `container_spec` takes: a pod, a request, the image config and the host's inputs.
+    /// What `container_spec` takes: a pod, a request, the image config (as the registry serves
+    /// it, typed by [`image`]) and the host's inputs.
     struct Case {
         pod: PodRecord,
         req: ContainerSpecReq,
         image: serde_json::Value,
         inputs: Inputs,
+    }
+
+    /// The image config document typed, as CreateContainer reads it from the store.
+    fn image(doc: &serde_json::Value) -> Result<ImageConfiguration> {
+        crate::image::parse_config("example.com/app:1", &serde_json::to_vec(doc).unwrap())
     }
 
     fn base() -> Case {
@@ -539,12 +539,17 @@ mod tests {
                 },
                 ..Default::default()
             },
-            image: json!({"config": {
-                "Entrypoint": ["/bin/sh"],
-                "Cmd": ["-c", "echo hi"],
-                "Env": ["PATH=/bin", "A=1"],
-                "WorkingDir": "/srv",
-            }}),
+            image: json!({
+                "architecture": "amd64",
+                "os": "linux",
+                "rootfs": {"type": "layers", "diff_ids": []},
+                "config": {
+                    "Entrypoint": ["/bin/sh"],
+                    "Cmd": ["-c", "echo hi"],
+                    "Env": ["PATH=/bin", "A=1"],
+                    "WorkingDir": "/srv",
+                },
+            }),
             inputs: Inputs {
                 rootfs: "/run/hako/containers/c1/rootfs".into(),
                 ..Default::default()
@@ -555,7 +560,7 @@ mod tests {
     fn plan(tweak: impl FnOnce(&mut Case)) -> Result<Planned> {
         let mut c = base();
         tweak(&mut c);
-        container_spec(&c.pod, "c1", &c.req, &c.image, c.inputs)
+        container_spec(&c.pod, "c1", &c.req, &image(&c.image)?, c.inputs)
     }
 
     /// Applies `tweak` to the base case and hands what it plans to `check`.
@@ -611,12 +616,38 @@ mod tests {
                 |p| assert_eq!(p.spec.args, strs(&want), "{command:?} {args:?}"),
             );
         }
-        refused(
-            |c| c.image["config"] = json!({}),
-            |e| {
+        // A null Cmd is no cmd; an image without a config section has no command at all.
+        check(
+            |c| c.image["config"]["Cmd"] = json!(null),
+            |p| assert_eq!(p.spec.args, strs(&["/bin/sh"])),
+        );
+        let no_section = |c: &mut Case| {
+            c.image.as_object_mut().unwrap().remove("config");
+        };
+        for empty in [
+            (|c: &mut Case| c.image["config"] = json!({})) as fn(&mut Case),
+            no_section,
+        ] {
+            refused(empty, |e| {
                 assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
                 assert!(e.to_string().contains("container app: no command"), "{e}");
+            });
+        }
+        check(
+            |c| {
+                no_section(c);
+                c.req.command = strs(&["/x"]);
             },
+            |p| {
+                assert_eq!(p.spec.args, strs(&["/x"]));
+                assert_eq!(p.spec.cwd, "");
+                assert_eq!(p.stop_signal, None);
+            },
+        );
+        // A config that is not one is refused naming the image.
+        refused(
+            |c| c.image["config"]["Entrypoint"] = json!("/bin/sh"),
+            |e| assert!(e.to_string().contains("image example.com/app:1"), "{e}"),
         );
     }
 
@@ -650,6 +681,19 @@ mod tests {
         check(
             |c| c.pod.spec.hostname.clear(),
             |p| assert_eq!(p.spec.env, strs(&["PATH=/bin", "A=1"])),
+        );
+        // A null Env (Docker writes one) is no env.
+        check(
+            |c| c.image["config"]["Env"] = json!(null),
+            |p| {
+                assert_eq!(
+                    p.spec.env,
+                    strs(&[
+                        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                        "HOSTNAME=web-0"
+                    ])
+                )
+            },
         );
     }
 
@@ -690,7 +734,7 @@ mod tests {
             c.req.security.run_as_username = name.into();
             c.req.security.run_as_group = gid;
             c.image["config"]["User"] = json!(image_user);
-            let got = user_to_resolve(&c.req, &c.image);
+            let got = user_to_resolve(&c.req, &image(&c.image).unwrap());
             if want.0.is_empty() {
                 let e = got.unwrap_err();
                 assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");

@@ -245,7 +245,7 @@ fn cgroup_sample(cgroups_path: &str) -> (i64, Option<hako_runtime::stats::Sample
     match hako_runtime::stats::sample(cgroups_path) {
         Ok(s) => (now, Some(s)),
         Err(e) => {
-            tracing::debug!(cgroup = cgroups_path, error = %e, "no cgroup stats");
+            tracing::debug!(cgroup = cgroups_path, error = %crate::error::chain(&e), "no cgroup stats");
             (now, None)
         }
     }
