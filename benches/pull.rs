@@ -1,6 +1,7 @@
 //! Pull benchmark: a multi-layer image of about 200 MB from a local registry, pulled and
-//! unpacked through CRI `PullImage` by hako and by Debian's containerd 1.6, in the same run on
-//! the same machine, alternating, each pull cold (the image removed in between).
+//! unpacked through CRI `PullImage` by hako (with and without `image.sync_layers`) and by
+//! Debian's containerd 1.6, in the same run on the same machine, alternating, each pull cold
+//! (the image removed in between).
 //!
 //! `cargo bench --bench pull` (as root; needs docker-registry and containerd).
 //! `HAKO_BENCH_ROUNDS` sets the number of pulls per runtime (default 5).
@@ -13,7 +14,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
-use common::{client, start_containerd, start_hako};
+use common::{client, start_containerd, start_hako, start_hako_with};
 use k8s_cri::v1 as cri;
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher, Tar};
 use support::registry::Registry;
@@ -99,8 +100,14 @@ fn main() {
         let name = format!("{}/bench/big:1", reg.addr);
         let certs =
             common::certs_for(&[(&reg.addr, &format!("server = \"http://{}\"\n", reg.addr))]);
+        // hako as configured by default (each layer synced to disk before it is recorded), and
+        // without the sync, as containerd pulls by default.
+        let mut unsynced =
+            start_hako_with(certs.path(), "warn", None, "[image]\nsync_layers = false\n");
+        unsynced.name = "hako, sync_layers = false";
         let runtimes = [
             start_hako(certs.path(), "warn", None),
+            unsynced,
             start_containerd(certs.path(), None),
         ];
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); runtimes.len()];

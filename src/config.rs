@@ -45,6 +45,8 @@ pub struct ImageConfig {
     pub max_layer_unpacked_bytes: u64,
     /// Bound on the files, directories and links one layer's unpack creates; 0 = none.
     pub max_layer_entries: u64,
+    /// Flush each unpacked layer to disk (syncfs) before it is recorded as complete.
+    pub sync_layers: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -119,6 +121,8 @@ impl Default for ImageConfig {
             // what a decompression bomb can write before it fails.
             max_layer_unpacked_bytes: 64 << 30,
             max_layer_entries: 4 << 20,
+            // A layer recorded as complete must survive a power loss (docs/CONFIGURATION.md).
+            sync_layers: true,
         }
     }
 }

@@ -54,6 +54,11 @@ pub fn certs_for(hosts: &[(&str, &str)]) -> tempfile::TempDir {
 }
 
 pub fn start_hako(certs: &Path, log: &str, cni_conf: Option<&Path>) -> Runtime {
+    start_hako_with(certs, log, cni_conf, "")
+}
+
+/// As `start_hako`, with `extra` appended to its config file (whole TOML tables).
+pub fn start_hako_with(certs: &Path, log: &str, cni_conf: Option<&Path>, extra: &str) -> Runtime {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
     let socket = dir.path().join("hako.sock");
     let root = dir.path().join("root");
@@ -68,7 +73,7 @@ pub fn start_hako(certs: &Path, log: &str, cni_conf: Option<&Path>) -> Runtime {
     std::fs::write(
         &cfg,
         format!(
-            "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n{cni}[registry]\nconfig_path = \"{}\"\n",
+            "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n{cni}[registry]\nconfig_path = \"{}\"\n{extra}",
             socket.display(),
             root.display(),
             dir.path().join("state").display(),

@@ -147,11 +147,13 @@ impl LogWriter {
         Ok(())
     }
 
-    /// The stream ended: an unfinished last line is written as a full record.
+    /// The stream ended: an unfinished last line is written as a partial record, as containerd
+    /// and CRI-O do. kubelet ends a line at an `F` record, so `F` would add a newline the
+    /// container never wrote (`printf abcd` must read back as `abcd`).
     pub fn close_stream(&mut self, stream: Stream) -> io::Result<()> {
         let rest = std::mem::take(&mut self.pending[stream as usize]);
         if !rest.is_empty() {
-            self.record(stream, 'F', &rest)?;
+            self.record(stream, 'P', &rest)?;
         }
         Ok(())
     }
@@ -277,7 +279,28 @@ mod tests {
         assert_eq!(r[2], ("stdout".into(), "F".into(), "next".into()));
         assert_eq!((r[3].1.as_str(), r[3].2.len()), ("P", MAX_LINE));
         assert_eq!((r[4].1.as_str(), r[4].2.len()), ("F", 10));
-        assert_eq!(r[5], ("stdout".into(), "F".into(), "tail".into()));
+        assert_eq!(r[5], ("stdout".into(), "P".into(), "tail".into()));
+    }
+
+    #[test]
+    fn an_unterminated_last_line_is_a_partial_record() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("0.log");
+        let mut w = LogWriter::open(&p).unwrap();
+        w.write(Stream::Stdout, b"abcd").unwrap();
+        w.write(Stream::Stderr, b"whole\nhalf").unwrap();
+        w.close_stream(Stream::Stdout).unwrap();
+        w.close_stream(Stream::Stderr).unwrap();
+        // Closing again, or a stream with nothing pending, writes nothing.
+        w.close_stream(Stream::Stdout).unwrap();
+        let r = records(&p);
+        let want = [
+            ("stderr", "F", "whole"),
+            ("stdout", "P", "abcd"),
+            ("stderr", "P", "half"),
+        ]
+        .map(|(s, t, c)| (s.to_string(), t.to_string(), c.to_string()));
+        assert_eq!(r, want);
     }
 
     #[test]

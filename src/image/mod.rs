@@ -42,6 +42,14 @@ impl Name {
         let r: oci_spec::distribution::Reference = s
             .parse()
             .map_err(|e| Error::InvalidArgument(format!("invalid image reference {s:?}: {e}")))?;
+        // The reference grammar allows only lowercase path components. oci-spec lets one
+        // through when it is the first of a name without a registry (`E/y` becomes
+        // `docker.io/E/y`, which it then refuses to parse back).
+        if r.repository().bytes().any(|b| b.is_ascii_uppercase()) {
+            return Err(Error::InvalidArgument(format!(
+                "invalid image reference {s:?}: repository name must be lowercase"
+            )));
+        }
         let digest = r.digest().map(str::to_string);
         if let Some(d) = &digest {
             check_digest(d).map_err(|why| {
@@ -305,7 +313,13 @@ impl Images {
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(data)?;
             f.sync_all()?;
-            std::fs::rename(&tmp, &path)
+            std::fs::rename(&tmp, &path)?;
+            // The image record that follows names this file: its directory entry must be on
+            // disk too.
+            match path.parent() {
+                Some(dir) => std::fs::File::open(dir)?.sync_all(),
+                None => Ok(()),
+            }
         };
         write().map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
@@ -639,6 +653,23 @@ mod tests {
         );
         let err = Name::parse("BusyBox:1").unwrap_err().to_string();
         assert!(err.contains("BusyBox:1"), "{err}");
+        // Upper case in the repository is refused: by oci-spec after a registry, by us where
+        // oci-spec takes the first component as part of the repository.
+        for (upper, why) in [
+            ("E/y", "must be lowercase"),
+            ("Team/app:1", "must be lowercase"),
+            ("docker.io/library/Busybox", "invalid reference format"),
+            ("gcr.io/A/b", "invalid reference format"),
+        ] {
+            match Name::parse(upper) {
+                Err(Error::InvalidArgument(m)) => {
+                    assert!(m.contains(&format!("{upper:?}")) && m.contains(why), "{m}")
+                }
+                other => panic!("{upper:?}: {other:?}"),
+            }
+        }
+        let n = Name::parse("Registry.Example:5000/a/b").unwrap();
+        assert_eq!(Name::parse(&n.canonical()).unwrap(), n);
         // Digests in references: sha256 in lowercase hex only.
         let upper = format!("quay.io/x/y@sha256:{}", "A".repeat(64));
         let err = Name::parse(&upper).unwrap_err();

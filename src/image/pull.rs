@@ -9,7 +9,8 @@
 //! asked for it is cancelled, so a half-written directory is never left to a dropped future.
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -580,6 +581,17 @@ impl LayerJob {
             .map_err(|e| Error::io("rename snapshot into", &final_dir, e))?;
         tmp_cleanup.disarm();
         let mut final_cleanup = Cleanup(Some(final_dir.clone()));
+        if inner.config.sync_layers {
+            // The record below says the layer is complete: its files, and the rename that
+            // put them in place, must be on disk first, or a power loss leaves a "complete"
+            // layer of empty files. One syncfs per layer, as containerd's
+            // image_pull_with_sync_fs does; fsync of every file cost more (docs/BENCHMARKS.md).
+            let dir = final_dir.clone();
+            tokio::task::spawn_blocking(move || sync_filesystem(&dir))
+                .await
+                .map_err(|e| Error::Internal(format!("sync task: {e}")))?
+                .map_err(|e| Error::io("sync snapshot", &final_dir, e))?;
+        }
         inner.store.put_snapshot(&SnapshotRecord {
             v: RECORD_VERSION,
             chain_id: self.chain_id.clone(),
@@ -592,6 +604,14 @@ impl LayerJob {
         tracing::debug!(layer = %self.digest, chain_id = %self.chain_id, unpack_ms = started.elapsed().as_millis() as u64, "layer ready");
         Ok(())
     }
+}
+
+/// Writes out everything of the filesystem holding `dir` (syncfs(2)): file data, inodes, and
+/// the directory entries of its renames.
+fn sync_filesystem(dir: &Path) -> std::io::Result<()> {
+    let f = std::fs::File::open(dir)?;
+    nix::unistd::syncfs(f.as_raw_fd())?;
+    Ok(())
 }
 
 /// A name part no other live writer uses.
