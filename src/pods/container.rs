@@ -28,12 +28,6 @@ impl Runtime {
     /// CreateContainer: prepares the rootfs and config, has the pod's monitor create it.
     pub async fn create_container(&self, pod_id: &str, req: ContainerSpecReq) -> Result<String> {
         let pod = self.pod(pod_id)?;
-        if pod.state != PodState::Ready {
-            return Err(Error::FailedPrecondition(format!(
-                "pod sandbox {} is not ready",
-                pod.id
-            )));
-        }
         if req.name.is_empty() {
             return Err(Error::InvalidArgument(
                 "container metadata needs a name".into(),
@@ -44,6 +38,18 @@ impl Runtime {
         let _warm = hako_runtime::cgroup_warm::hold();
         let key = req.reservation(&pod.id);
         let _guard = self.name_lock(&key).await;
+        // The pod cannot stop or go while this create holds its share of the pod's lock.
+        let _pod_guard = self.object_locks.shared(&pod.id).await;
+        let pod = self
+            .store
+            .get::<PodRecord>(Table::Pods, &pod.id)?
+            .ok_or_else(|| Error::NotFound(format!("pod sandbox {} not found", pod.id)))?;
+        if pod.state != PodState::Ready {
+            return Err(Error::FailedPrecondition(format!(
+                "pod sandbox {} is not ready",
+                pod.id
+            )));
+        }
         if let Some(existing) = self.store.reserved(&key)? {
             if let Some(c) = self
                 .store
@@ -272,7 +278,8 @@ impl Runtime {
     }
 
     pub async fn start_container(&self, id: &str) -> Result<()> {
-        let mut c = self.container_record(id)?;
+        let (c, _guards) = self.lock_container(id).await?;
+        let mut c = c.ok_or_else(|| Error::NotFound(format!("container {id} not found")))?;
         let pod = self.pod_of(&c)?;
         if c.state != ContainerState::Created {
             return Err(Error::FailedPrecondition(format!(
@@ -302,21 +309,49 @@ impl Runtime {
                         ..Default::default()
                     });
                 }
-                self.store.put(Table::Containers, &c.id, &c)?;
+                self.store
+                    .update(Table::Containers, &c.id, |r: &mut ContainerRecord| {
+                        r.state = c.state;
+                        r.started_at = c.started_at;
+                        r.exit = c.exit.clone();
+                        r.start_error = c.start_error.clone();
+                        true
+                    })?;
                 return Err(e);
             }
         };
-        apply_state(&mut c, &s);
-        self.store.put(Table::Containers, &c.id, &c)?;
+        self.record_state(&c.id, &s)
+    }
+
+    /// The container `id` names, held for a change (its pod's lock shared, its own
+    /// exclusively), as stored once the locks are held: `None` when it was removed meanwhile.
+    /// The guards go with the change.
+    async fn lock_container(
+        &self,
+        id: &str,
+    ) -> Result<(Option<ContainerRecord>, [super::KeyGuard; 2])> {
+        let c = self.container_record(id)?;
+        let pod = self.object_locks.shared(&c.pod_id).await;
+        let own = self.object_locks.exclusive(&c.id).await;
+        let now = self
+            .store
+            .get::<ContainerRecord>(Table::Containers, &c.id)?;
+        Ok((now, [pod, own]))
+    }
+
+    /// Folds a monitor state into the stored record, if the container still has one.
+    fn record_state(&self, id: &str, s: &pb::ContainerState) -> Result<()> {
+        self.store
+            .update(Table::Containers, id, |c| apply_state(c, s))?;
         Ok(())
     }
 
     /// StopContainer: the image's STOPSIGNAL (SIGTERM when it has none), then SIGKILL after
     /// `timeout`. Stopping an exited or unknown container succeeds.
     pub async fn stop_container(&self, id: &str, timeout: Duration) -> Result<()> {
-        let mut c = match self.container_record(id) {
-            Ok(c) => c,
-            Err(Error::NotFound(_)) => return Ok(()),
+        let (c, _guards) = match self.lock_container(id).await {
+            Ok((Some(c), guards)) => (c, guards),
+            Ok((None, _)) | Err(Error::NotFound(_)) => return Ok(()),
             Err(e) => return Err(e),
         };
         let Ok(pod) = self.pod_of(&c) else {
@@ -328,8 +363,7 @@ impl Runtime {
         let m = self.monitor(&pod);
         let s = m.state(&c.id).await?;
         if s.status == pb::Status::Exited as i32 {
-            apply_state(&mut c, &s);
-            return self.store.put(Table::Containers, &c.id, &c);
+            return self.record_state(&c.id, &s);
         }
         if s.status == pb::Status::Running as i32 && !timeout.is_zero() {
             let sig = c
@@ -344,8 +378,7 @@ impl Runtime {
             };
             match polite {
                 Ok(s) if s.status == pb::Status::Exited as i32 => {
-                    apply_state(&mut c, &s);
-                    return self.store.put(Table::Containers, &c.id, &c);
+                    return self.record_state(&c.id, &s);
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -355,16 +388,18 @@ impl Runtime {
         }
         m.signal(&c.id, libc::SIGKILL, true).await?;
         let s = m.wait(&c.id, 30_000).await?;
-        apply_state(&mut c, &s);
-        self.store.put(Table::Containers, &c.id, &c)
+        self.record_state(&c.id, &s)
     }
 
     /// UpdateContainerResources: new limits on the cgroup of a created or running container,
     /// kept in its record (ContainerStatus reports them). An exited container only has its
     /// record updated, as containerd does.
     pub async fn update_container(&self, id: &str, resources: oci::Resources) -> Result<()> {
-        let view = self.container(id).await?;
-        let mut c = view.record;
+        let (found, _guards) = self.lock_container(id).await?;
+        let gone = || Error::NotFound(format!("container {id} not found"));
+        let c = found.ok_or_else(gone)?;
+        let view = self.container(&c.id).await?;
+        let c = view.record;
         let resources = c.spec.resources.merged(&resources);
         let mut applicable = resources.clone();
         hako_runtime::stats::drop_unsupported(&mut applicable);
@@ -381,20 +416,28 @@ impl Runtime {
                     Error::from(e).context(format!("update resources of container {id}"))
                 })?;
         }
-        c.spec.resources = resources;
-        self.store.put(Table::Containers, &c.id, &c)?;
+        self.store
+            .update(Table::Containers, &c.id, |r: &mut ContainerRecord| {
+                r.spec.resources = resources;
+                true
+            })?
+            .ok_or_else(gone)?;
         tracing::info!(container = %c.id, "container resources updated");
         Ok(())
     }
 
     /// RemoveContainer: force-removes a running one. Removing an unknown container succeeds.
     pub async fn remove_container(&self, id: &str) -> Result<()> {
-        let c = match self.container_record(id) {
-            Ok(c) => c,
-            Err(Error::NotFound(_)) => return Ok(()),
-            Err(e) => return Err(e),
-        };
-        match self.pod_of(&c) {
+        match self.lock_container(id).await {
+            Ok((Some(c), _guards)) => self.remove_container_locked(&c).await,
+            Ok((None, _)) | Err(Error::NotFound(_)) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// RemoveContainer with the container's lock (or its pod's, exclusively) held.
+    pub(super) async fn remove_container_locked(&self, c: &ContainerRecord) -> Result<()> {
+        match self.pod_of(c) {
             Ok(pod) if pod.state == PodState::Ready => {
                 if let Err(e) = self.monitor(&pod).delete(&c.id, true).await {
                     // A monitor found gone turns the pod NotReady: then the container is
@@ -429,9 +472,14 @@ impl Runtime {
                         if s.status == pb::Status::Running as i32 {
                             pid = s.pid;
                         }
-                        if apply_state(&mut c, &s) {
-                            self.store.put(Table::Containers, &c.id, &c)?;
-                        }
+                        // Written back only while the record exists: a removal that won
+                        // the race stays a removal.
+                        c = self
+                            .store
+                            .update(Table::Containers, &c.id, |r| apply_state(r, &s))?
+                            .ok_or_else(|| {
+                                Error::NotFound(format!("container {} not found", c.id))
+                            })?;
                     }
                     Err(e) => {
                         tracing::warn!(container = %c.id, error = %chain(&e), "monitor unreachable");
@@ -487,13 +535,22 @@ impl Runtime {
     /// The container records with what `survey` found folded in. Read after the monitors: a
     /// monitor found gone has updated its containers' records.
     pub(super) fn container_views(&self, survey: &Survey) -> Result<Vec<ContainerView>> {
-        let mut recs: Vec<ContainerRecord> = self.store.all(Table::Containers)?;
-        for c in recs.iter_mut() {
-            if let Some(s) = survey.live.get(&c.id) {
-                if apply_state(c, s) {
-                    self.store.put(Table::Containers, &c.id, c)?;
-                }
+        let mut recs = Vec::new();
+        for c in self.store.all::<ContainerRecord>(Table::Containers)? {
+            let Some(s) = survey.live.get(&c.id) else {
+                recs.push(c);
+                continue;
+            };
+            let mut fresh = c.clone();
+            if !apply_state(&mut fresh, s) {
+                recs.push(c);
+                continue;
             }
+            // Only while it exists: one removed since the read is not listed (or written) again.
+            recs.extend(
+                self.store
+                    .update(Table::Containers, &c.id, |r| apply_state(r, s))?,
+            );
         }
         Ok(recs
             .into_iter()

@@ -23,7 +23,8 @@
 //!               monitor found gone (also by the relist in container.rs, hence below it)
 //! spec.rs       the container spec: a pure function of request, image config, pod and
 //!               the inputs container.rs gathered; cgroup paths, signals, log paths
-//! mod.rs        `Runtime`, record lookups, name locks, the undo stack, `apply_state`
+//! mod.rs        `Runtime`, record lookups, name and object locks, the undo stack,
+//!               `apply_state`
 //! host.rs       cgroups (kill, remove), oom floor, processes, directories
 //! ```
 //! `types.rs` (records and requests), `rootfs.rs` (overlay, accounts) and
@@ -85,6 +86,81 @@ impl Drop for Undo {
     }
 }
 
+/// Async locks by key (a name, a pod or container id), made on first use and dropped from the
+/// map as soon as no one holds or waits for them, so the map holds only keys in use.
+///
+/// The map is a `std` mutex (held for a lookup, never across `.await`); the locks are tokio
+/// `RwLock`s because their holders await monitor calls. Every clone of a lock's `Arc` is made
+/// and dropped under the map's mutex, so a count of one means only the map still has it.
+#[derive(Default)]
+pub(crate) struct Locks(LockMap);
+
+type LockMap = Arc<std::sync::Mutex<HashMap<String, Arc<tokio::sync::RwLock<()>>>>>;
+
+enum Held {
+    Shared(#[allow(dead_code)] tokio::sync::OwnedRwLockReadGuard<()>),
+    Exclusive(#[allow(dead_code)] tokio::sync::OwnedRwLockWriteGuard<()>),
+}
+
+/// One key of [`Locks`], held (or still awaited: a waiter dropped by a cancel also removes
+/// its interest).
+pub(crate) struct KeyGuard {
+    map: LockMap,
+    key: String,
+    lock: Option<Arc<tokio::sync::RwLock<()>>>,
+    held: Option<Held>,
+}
+
+impl Locks {
+    /// The only holder of `key` (a change of the object).
+    pub(crate) async fn exclusive(&self, key: &str) -> KeyGuard {
+        let mut g = self.interest(key);
+        let lock = g.lock.clone().expect("interest has its lock");
+        g.held = Some(Held::Exclusive(lock.write_owned().await));
+        g
+    }
+
+    /// One of the holders of `key` (a change inside the object: a container in its pod).
+    pub(crate) async fn shared(&self, key: &str) -> KeyGuard {
+        let mut g = self.interest(key);
+        let lock = g.lock.clone().expect("interest has its lock");
+        g.held = Some(Held::Shared(lock.read_owned().await));
+        g
+    }
+
+    fn interest(&self, key: &str) -> KeyGuard {
+        let mut map = self.0.lock().expect("locks poisoned");
+        let lock = map.entry(key.to_string()).or_default().clone();
+        KeyGuard {
+            map: self.0.clone(),
+            key: key.to_string(),
+            lock: Some(lock),
+            held: None,
+        }
+    }
+
+    /// Keys in the map (held or awaited).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.lock().expect("locks poisoned").len()
+    }
+}
+
+impl Drop for KeyGuard {
+    fn drop(&mut self) {
+        let mut map = self.map.lock().expect("locks poisoned");
+        // The guard and the clone `write_owned`/`read_owned` took go before the count is read.
+        self.held = None;
+        self.lock = None;
+        if map
+            .get(&self.key)
+            .is_some_and(|l| Arc::strong_count(l) == 1)
+        {
+            map.remove(&self.key);
+        }
+    }
+}
+
 pub struct Runtime {
     store: Arc<Store>,
     images: Images,
@@ -92,7 +168,11 @@ pub struct Runtime {
     root_dir: PathBuf,
     monitors: std::sync::Mutex<HashMap<String, MonitorClient>>,
     /// One create per pod or container name at a time: a retry waits for the first attempt.
-    name_locks: tokio::sync::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    name_locks: Locks,
+    /// Changes of one pod or container, by id, one at a time: a pod's stop and removal hold
+    /// it exclusively, changes of its containers share it and hold their container's. Order:
+    /// name, then pod, then container.
+    object_locks: Locks,
     /// The daemon's bounding set: what containers can be granted (no more than we hold).
     cap_limit: Vec<String>,
     /// The lowest oom_score_adj a container may get, when restricted (the daemon's own).
@@ -152,7 +232,8 @@ impl Runtime {
             state_dir: state_dir.to_path_buf(),
             root_dir: root_dir.to_path_buf(),
             monitors: std::sync::Mutex::new(HashMap::new()),
-            name_locks: tokio::sync::Mutex::new(HashMap::new()),
+            name_locks: Locks::default(),
+            object_locks: Locks::default(),
             cap_limit,
             cpu_samples: Default::default(),
             warm_pods: Default::default(),
@@ -197,15 +278,8 @@ impl Runtime {
         Ok(())
     }
 
-    async fn name_lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = self
-            .name_locks
-            .lock()
-            .await
-            .entry(name.to_string())
-            .or_default()
-            .clone();
-        lock.lock_owned().await
+    async fn name_lock(&self, name: &str) -> KeyGuard {
+        self.name_locks.exclusive(name).await
     }
 
     fn monitor(&self, pod: &PodRecord) -> MonitorClient {
@@ -271,14 +345,28 @@ impl Runtime {
 }
 
 /// Folds a monitor state into a record; true when something changed.
+///
+/// States only move forward: an answer read before a change that was written meanwhile (a
+/// status call racing a stop) is stale, and must not turn an exited container back into a
+/// running one, nor a running one into a created one.
 fn apply_state(c: &mut ContainerRecord, s: &pb::ContainerState) -> bool {
     let before = (c.state, c.started_at, c.exit.clone());
-    c.state = match pb::Status::try_from(s.status).unwrap_or(pb::Status::Unknown) {
+    let state = match pb::Status::try_from(s.status).unwrap_or(pb::Status::Unknown) {
         pb::Status::Created => ContainerState::Created,
         pb::Status::Running => ContainerState::Running,
         pb::Status::Exited => ContainerState::Exited,
         pb::Status::Unknown => ContainerState::Unknown,
     };
+    let stale = match c.state {
+        // Exited again may carry the monitor's own record of an exit the daemon had to assume.
+        ContainerState::Exited => state != ContainerState::Exited,
+        ContainerState::Running => state == ContainerState::Created,
+        _ => false,
+    };
+    if stale {
+        return false;
+    }
+    c.state = state;
     if s.started_at != 0 {
         c.started_at = s.started_at;
     }
@@ -291,4 +379,94 @@ fn apply_state(c: &mut ContainerRecord, s: &pb::ContainerState) -> bool {
         });
     }
     before != (c.state, c.started_at, c.exit.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Holders exclude each other, and the map keeps only keys someone holds or awaits: a
+    /// released lock and a waiter given up on (a cancelled call) leave nothing behind.
+    #[tokio::test]
+    async fn locks_exclude_and_are_dropped_when_unused() {
+        use futures::FutureExt;
+        let locks = Locks::default();
+        let a = locks.exclusive("pod-a").await;
+        let shared1 = locks.shared("pod-b").await;
+        let shared2 = locks.shared("pod-b").await;
+        assert_eq!(locks.len(), 2);
+        // A second holder waits (polled once, it is pending); given up on, as a cancelled
+        // call's is, its interest goes.
+        assert!(
+            locks.exclusive("pod-a").now_or_never().is_none(),
+            "pod-a is held"
+        );
+        assert!(
+            locks.exclusive("pod-b").now_or_never().is_none(),
+            "pod-b is shared, not free"
+        );
+        assert_eq!(locks.len(), 2);
+        drop((shared1, shared2));
+        assert_eq!(locks.len(), 1);
+        let mut again = Box::pin(locks.exclusive("pod-a"));
+        assert!((&mut again).now_or_never().is_none());
+        drop(a);
+        assert_eq!(locks.len(), 1, "the waiter keeps pod-a");
+        let again = again.await;
+        drop(again);
+        assert_eq!(locks.len(), 0);
+        // Many keys used and released: none kept.
+        for i in 0..100 {
+            let _g = locks.exclusive(&format!("name-{i}")).await;
+        }
+        assert_eq!(locks.len(), 0);
+    }
+
+    fn record(state: ContainerState) -> ContainerRecord {
+        ContainerRecord {
+            v: 1,
+            id: "c".into(),
+            pod_id: "p".into(),
+            spec: Default::default(),
+            image_id: String::new(),
+            image_ref: String::new(),
+            created_at: 0,
+            log_path: String::new(),
+            state,
+            started_at: 5,
+            exit: (state == ContainerState::Exited).then(|| ExitInfo {
+                code: 137,
+                ..Default::default()
+            }),
+            chain_ids: vec![],
+            cgroups_path: String::new(),
+            stop_signal: None,
+            user: None,
+            start_error: None,
+        }
+    }
+
+    /// A monitor answer read before a stop was written is stale: states only move forward.
+    #[test]
+    fn a_stale_state_never_moves_a_record_back() {
+        let said = |status: pb::Status, code: i32| pb::ContainerState {
+            status: status as i32,
+            started_at: 5,
+            exit_code: code,
+            ..Default::default()
+        };
+        let mut c = record(ContainerState::Exited);
+        assert!(!apply_state(&mut c, &said(pb::Status::Running, 0)));
+        assert_eq!(c.state, ContainerState::Exited);
+        // The monitor's own record of the exit replaces one the daemon assumed.
+        assert!(apply_state(&mut c, &said(pb::Status::Exited, 3)));
+        assert_eq!(c.exit.as_ref().map(|e| e.code), Some(3));
+        let mut c = record(ContainerState::Running);
+        assert!(!apply_state(&mut c, &said(pb::Status::Created, 0)));
+        assert_eq!(c.state, ContainerState::Running);
+        assert!(apply_state(&mut c, &said(pb::Status::Exited, 0)));
+        let mut c = record(ContainerState::Created);
+        assert!(apply_state(&mut c, &said(pb::Status::Running, 0)));
+        assert_eq!(c.state, ContainerState::Running);
+    }
 }

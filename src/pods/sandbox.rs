@@ -16,8 +16,8 @@ use super::host::{
 use super::monitor_client::{self, MonitorClient};
 use super::spec::{confined_cgroup_path, pod_cgroup};
 use super::{
-    apply_state, new_id, rootfs, ContainerState, ContainerView, ExitInfo, NsMode, PodRecord,
-    PodSpec, PodState, PodView, Runtime, Undo,
+    apply_state, new_id, rootfs, ContainerRecord, ContainerState, ContainerView, ExitInfo, NsMode,
+    PodRecord, PodSpec, PodState, PodView, Runtime, Undo,
 };
 use crate::error::{chain, Error, Result};
 use crate::network::IFNAME;
@@ -228,11 +228,29 @@ impl Runtime {
     /// StopPodSandbox: kills every container, releases the namespaces. Idempotent; an unknown
     /// pod is already stopped.
     pub async fn stop_pod(&self, id: &str) -> Result<()> {
-        let mut pod = match self.pod(id) {
+        let Some((pod, _guard)) = self.lock_pod(id).await? else {
+            return Ok(());
+        };
+        self.stop_locked(pod).await
+    }
+
+    /// The pod `id` names, held exclusively (no change of it or its containers under way), as
+    /// stored once the lock is held; `None` when there is none.
+    async fn lock_pod(&self, id: &str) -> Result<Option<(PodRecord, super::KeyGuard)>> {
+        let pod = match self.pod(id) {
             Ok(p) => p,
-            Err(Error::NotFound(_)) => return Ok(()),
+            Err(Error::NotFound(_)) => return Ok(None),
             Err(e) => return Err(e),
         };
+        let guard = self.object_locks.exclusive(&pod.id).await;
+        Ok(self
+            .store
+            .get::<PodRecord>(Table::Pods, &pod.id)?
+            .map(|p| (p, guard)))
+    }
+
+    /// StopPodSandbox with the pod's lock held.
+    async fn stop_locked(&self, pod: PodRecord) -> Result<()> {
         if pod.state == PodState::NotReady {
             // Its monitor may have died before the network was torn down.
             return self.detach(&pod).await;
@@ -261,23 +279,25 @@ impl Runtime {
         // Record final states before the monitor (their source of truth) goes away.
         if let Ok(info) = monitor.info().await {
             for s in info.containers {
-                if let Ok(mut rec) = self.container_record(&s.id) {
-                    apply_state(&mut rec, &s);
-                    self.store.put(Table::Containers, &rec.id, &rec)?;
-                }
+                self.store
+                    .update(Table::Containers, &s.id, |c| apply_state(c, &s))?;
             }
         }
-        for mut c in self.containers_of(&pod.id)? {
-            if c.state != ContainerState::Exited {
-                c.state = ContainerState::Exited;
-                c.exit.get_or_insert(ExitInfo {
-                    code: 137,
-                    signal: 9,
-                    finished_at: now_nanos(),
-                    oom_killed: false,
-                });
-                self.store.put(Table::Containers, &c.id, &c)?;
-            }
+        for c in self.containers_of(&pod.id)? {
+            self.store
+                .update(Table::Containers, &c.id, |r: &mut ContainerRecord| {
+                    if r.state == ContainerState::Exited {
+                        return false;
+                    }
+                    r.state = ContainerState::Exited;
+                    r.exit.get_or_insert(ExitInfo {
+                        code: 137,
+                        signal: 9,
+                        finished_at: now_nanos(),
+                        oom_killed: false,
+                    });
+                    true
+                })?;
             let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
         }
         // Before the namespace goes: plugins clean up inside it. A failure fails the stop
@@ -302,8 +322,11 @@ impl Runtime {
             .lock()
             .expect("monitors poisoned")
             .remove(&pod.id);
-        pod.state = PodState::NotReady;
-        self.store.put(Table::Pods, &pod.id, &pod)?;
+        self.store
+            .update(Table::Pods, &pod.id, |p: &mut PodRecord| {
+                p.state = PodState::NotReady;
+                true
+            })?;
         tracing::info!(pod = %pod.id, "pod sandbox stopped");
         Ok(())
     }
@@ -319,14 +342,13 @@ impl Runtime {
 
     /// RemovePodSandbox: stops it if needed, removes its containers and files. Idempotent.
     pub async fn remove_pod(&self, id: &str) -> Result<()> {
-        let pod = match self.pod(id) {
-            Ok(p) => p,
-            Err(Error::NotFound(_)) => return Ok(()),
-            Err(e) => return Err(e),
+        let Some((pod, _guard)) = self.lock_pod(id).await? else {
+            return Ok(());
         };
-        self.stop_pod(&pod.id).await?;
+        self.stop_locked(pod.clone()).await?;
+        // Changes of its containers wait for the pod's lock, then find them gone.
         for c in self.containers_of(&pod.id)? {
-            self.remove_container(&c.id).await?;
+            self.remove_container_locked(&c).await?;
         }
         let dir = self.pod_dir(&pod.id);
         if let Err(e) = std::fs::remove_dir_all(&dir) {

@@ -36,6 +36,26 @@ fn pod_stats(s: &PodStats) -> cri::PodSandboxStats {
     convert::pod_stats(&s.pod.record, &s.usage, containers)
 }
 
+/// Runs a lifecycle change (`body`, given the daemon) as a task of its own and waits for it.
+/// tonic drops a handler's future when the client cancels (deadline, disconnect); the task is
+/// not dropped with it, so the change finishes, or undoes itself on failure, whatever the
+/// client does. kubelet's retry then finds the object made (under the name lock) instead of
+/// half of it.
+async fn to_completion<T, F>(
+    daemon: &Arc<Daemon>,
+    rpc: &'static str,
+    body: impl FnOnce(Arc<Daemon>) -> F,
+) -> Result<T, Status>
+where
+    F: std::future::Future<Output = crate::error::Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::spawn(body(daemon.clone())).await {
+        Ok(r) => r.map_err(|e| status(rpc, e)),
+        Err(e) => Err(status(rpc, Error::Internal(format!("{rpc} task: {e}")))),
+    }
+}
+
 type EventStream =
     Pin<Box<dyn futures::Stream<Item = Result<cri::ContainerEventResponse, Status>> + Send>>;
 
@@ -290,12 +310,10 @@ impl RuntimeService for Runtime {
         })?;
         let spec = convert::pod_spec(config, req.runtime_handler);
         tracing::debug!(rpc = "RunPodSandbox", name = %spec.name, namespace = %spec.namespace);
-        let id = self
-            .daemon
-            .runtime
-            .run_pod(spec)
-            .await
-            .map_err(|e| status("RunPodSandbox", e))?;
+        let id = to_completion(&self.daemon, "RunPodSandbox", |d| async move {
+            d.runtime.run_pod(spec).await
+        })
+        .await?;
         Ok(Response::new(cri::RunPodSandboxResponse {
             pod_sandbox_id: id,
         }))
@@ -307,11 +325,10 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::StopPodSandboxResponse>, Status> {
         let id = req.into_inner().pod_sandbox_id;
         tracing::debug!(rpc = "StopPodSandbox", pod = %id);
-        self.daemon
-            .runtime
-            .stop_pod(&id)
-            .await
-            .map_err(|e| status("StopPodSandbox", e))?;
+        to_completion(&self.daemon, "StopPodSandbox", |d| async move {
+            d.runtime.stop_pod(&id).await
+        })
+        .await?;
         Ok(Response::new(cri::StopPodSandboxResponse {}))
     }
 
@@ -321,11 +338,10 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::RemovePodSandboxResponse>, Status> {
         let id = req.into_inner().pod_sandbox_id;
         tracing::debug!(rpc = "RemovePodSandbox", pod = %id);
-        self.daemon
-            .runtime
-            .remove_pod(&id)
-            .await
-            .map_err(|e| status("RemovePodSandbox", e))?;
+        to_completion(&self.daemon, "RemovePodSandbox", |d| async move {
+            d.runtime.remove_pod(&id).await
+        })
+        .await?;
         Ok(Response::new(cri::RemovePodSandboxResponse {}))
     }
 
@@ -370,12 +386,11 @@ impl RuntimeService for Runtime {
         })?;
         let spec = convert::container_req(config);
         tracing::debug!(rpc = "CreateContainer", pod = %req.pod_sandbox_id, name = %spec.name);
-        let id = self
-            .daemon
-            .runtime
-            .create_container(&req.pod_sandbox_id, spec)
-            .await
-            .map_err(|e| status("CreateContainer", e))?;
+        let pod = req.pod_sandbox_id;
+        let id = to_completion(&self.daemon, "CreateContainer", |d| async move {
+            d.runtime.create_container(&pod, spec).await
+        })
+        .await?;
         Ok(Response::new(cri::CreateContainerResponse {
             container_id: id,
         }))
@@ -387,11 +402,10 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::StartContainerResponse>, Status> {
         let id = req.into_inner().container_id;
         tracing::debug!(rpc = "StartContainer", container = %id);
-        self.daemon
-            .runtime
-            .start_container(&id)
-            .await
-            .map_err(|e| status("StartContainer", e))?;
+        to_completion(&self.daemon, "StartContainer", |d| async move {
+            d.runtime.start_container(&id).await
+        })
+        .await?;
         Ok(Response::new(cri::StartContainerResponse {}))
     }
 
@@ -402,11 +416,11 @@ impl RuntimeService for Runtime {
         let req = req.into_inner();
         tracing::debug!(rpc = "StopContainer", container = %req.container_id, timeout = req.timeout);
         let timeout = std::time::Duration::from_secs(req.timeout.max(0) as u64);
-        self.daemon
-            .runtime
-            .stop_container(&req.container_id, timeout)
-            .await
-            .map_err(|e| status("StopContainer", e))?;
+        let id = req.container_id;
+        to_completion(&self.daemon, "StopContainer", |d| async move {
+            d.runtime.stop_container(&id, timeout).await
+        })
+        .await?;
         Ok(Response::new(cri::StopContainerResponse {}))
     }
 
@@ -416,11 +430,10 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::RemoveContainerResponse>, Status> {
         let id = req.into_inner().container_id;
         tracing::debug!(rpc = "RemoveContainer", container = %id);
-        self.daemon
-            .runtime
-            .remove_container(&id)
-            .await
-            .map_err(|e| status("RemoveContainer", e))?;
+        to_completion(&self.daemon, "RemoveContainer", |d| async move {
+            d.runtime.remove_container(&id).await
+        })
+        .await?;
         Ok(Response::new(cri::RemoveContainerResponse {}))
     }
 
@@ -518,11 +531,11 @@ impl RuntimeService for Runtime {
                 )),
             ));
         };
-        self.daemon
-            .runtime
-            .update_container(&req.container_id, convert::resources(linux))
-            .await
-            .map_err(|e| status("UpdateContainerResources", e))?;
+        let (id, resources) = (req.container_id, convert::resources(linux));
+        to_completion(&self.daemon, "UpdateContainerResources", |d| async move {
+            d.runtime.update_container(&id, resources).await
+        })
+        .await?;
         Ok(Response::new(cri::UpdateContainerResourcesResponse {}))
     }
 
