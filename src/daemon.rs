@@ -63,6 +63,9 @@ impl Daemon {
                 .map_err(|e| Error::io("change mode of", &dir, e))?;
         }
         let store = Arc::new(Store::open(&config.root.join("meta.db"))?);
+        // Before the image GC: running pods' records (and their layers' pins) come back
+        // from their monitors when the store lost them.
+        crate::pods::Runtime::adopt_lost_records(&store, &config.state).await?;
         let images = Images::open(
             &config.root,
             store.clone(),

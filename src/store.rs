@@ -384,6 +384,17 @@ impl Table {
     }
 }
 
+/// Reads a record of `t` kept outside the store (a pod monitor keeps a copy, see
+/// `Runtime::reconcile`), with the store's version check and migration.
+pub fn decode_record<T: DeserializeOwned>(t: Table, key: &str, bytes: &[u8]) -> Result<T> {
+    decode(t.name(), key, bytes)
+}
+
+/// A record as the store encodes it, for a copy kept outside it.
+pub fn encode_record<T: Serialize>(rec: &T) -> Vec<u8> {
+    encode(rec)
+}
+
 impl Store {
     pub fn get<T: DeserializeOwned>(&self, t: Table, id: &str) -> Result<Option<T>> {
         self.read_one(t.def(), t.name(), id)

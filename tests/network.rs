@@ -531,6 +531,9 @@ fi"#,
     );
 }
 
+/// The daemon dies and its metadata is lost. A pod whose monitor still runs is adopted from
+/// it (its network kept); one whose monitor is gone too is owned by nothing: its attachment,
+/// namespaces, dirs and cgroup are released, logged.
 #[tokio::test(flavor = "multi_thread")]
 async fn attachments_no_pod_owns_are_released_at_start() {
     let net = TestNet::new();
@@ -539,24 +542,57 @@ async fn attachments_no_pod_owns_are_released_at_start() {
     };
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
-    let pod = run_pod(&mut rt, &pod_config("forgotten", logs.path())).await;
-    assert_eq!(net.leased().len(), 1);
-    // The daemon dies and its metadata is lost: nothing records the pod any more.
+    let kept = run_pod(&mut rt, &pod_config("kept", logs.path())).await;
+    let forgotten = run_pod(&mut rt, &pod_config("forgotten", logs.path())).await;
+    assert_eq!(net.leased().len(), 2);
+    let kept_lease = net.leased();
+    kill_monitor(&mut rt, &forgotten).await;
     h.kill9();
     std::fs::remove_file(h.root.join("meta.db")).unwrap();
     h.restart();
-    assert!(net.leased().is_empty(), "GC released {:?}", net.leased());
-    assert!(net.veths().is_empty(), "{:?}", net.veths());
+    // The running pod keeps its address; the other's is released.
+    assert_eq!(
+        net.leased().len(),
+        1,
+        "{:?} of {kept_lease:?}",
+        net.leased()
+    );
     assert!(h
         .log_text()
         .contains("released the network of a pod that no longer exists"));
-    // No record owns the pod's monitor and namespaces either: the daemon released them too
-    // (its monitor, the pinned netns, its dirs and cgroup), logged.
-    assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
     assert!(h
         .log_text()
-        .contains("releasing a pod sandbox whose start did not finish"));
-    assert_no_leaks(&h, &pod);
+        .contains("adopted a running pod whose record was lost"));
+    assert!(h
+        .log_text()
+        .contains("releasing the files of a pod whose monitor is gone"));
+    assert_no_leaks_of(&h, &forgotten);
+    let mut rt = h.runtime().await;
+    let pods = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .items;
+    assert_eq!(pods.len(), 1, "{pods:?}");
+    assert_eq!(pods[0].id, kept);
+    assert_eq!(pods[0].state, cri::PodSandboxState::SandboxReady as i32);
+    remove_pod(&mut rt, &kept).await;
+    assert!(net.leased().is_empty(), "{:?}", net.leased());
+    assert!(net.veths().is_empty(), "{:?}", net.veths());
+    assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
+    assert_no_leaks(&h, &kept);
+}
+
+/// What `assert_no_leaks` checks of one pod while another still runs: its dirs, mounts,
+/// cgroups and processes.
+fn assert_no_leaks_of(h: &support::hako::Hako, pod: &str) {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(pod), "a mount of pod {pod} is left");
+    assert!(!h.state.join("pods").join(pod).exists());
+    for cg in pod_cgroup_dirs(pod) {
+        assert!(!cg.exists(), "cgroup left: {}", cg.display());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

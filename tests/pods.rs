@@ -928,6 +928,116 @@ async fn a_container_that_cannot_start_reports_start_error() {
     assert_no_leaks(&h, &pod);
 }
 
+/// The daemon dies and its store is lost (deleted, or truncated to nothing): the running pod
+/// and its containers are adopted from their monitor, which kept copies of their records;
+/// nothing of them is destroyed. kubelet sees them as before and can stop and remove them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_running_pod_survives_the_loss_of_the_store() {
+    let Some((_reg, mut h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    for lose in ["delete", "truncate"] {
+        // The image records went with the store: the second round pulls again.
+        h.images()
+            .await
+            .pull_image(cri::PullImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: IMAGE.into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut rt = h.runtime().await;
+        let cfg = pod_config(&format!("kept-{lose}"), logs.path());
+        let pod = run_pod(&mut rt, &cfg).await;
+        let sleeper = run_container(
+            &mut rt,
+            &pod,
+            &cfg,
+            container_config("sleeper", &["sleep", "3600"]),
+        )
+        .await;
+        let done = run_container(
+            &mut rt,
+            &pod,
+            &cfg,
+            container_config("done", &["sh", "-c", "exit 7"]),
+        )
+        .await;
+        wait_exited(&mut rt, &done).await;
+        let pid = container_pid(&mut rt, &sleeper).await;
+        h.kill9();
+        let db = h.root.join("meta.db");
+        match lose {
+            "delete" => std::fs::remove_file(&db).unwrap(),
+            _ => std::fs::File::create(&db).map(drop).unwrap(),
+        }
+        h.restart();
+        let mut rt = h.runtime().await;
+        let pods = rt
+            .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+        assert_eq!(pods.len(), 1, "{lose}: {pods:?}");
+        assert_eq!(pods[0].id, pod);
+        assert_eq!(pods[0].state, cri::PodSandboxState::SandboxReady as i32);
+        let meta = pods[0].metadata.clone().unwrap();
+        assert_eq!(meta.name, cfg.metadata.as_ref().unwrap().name);
+        assert_eq!(pods[0].labels, cfg.labels);
+        let listed = rt
+            .list_containers(cri::ListContainersRequest::default())
+            .await
+            .unwrap()
+            .into_inner()
+            .containers;
+        assert_eq!(listed.len(), 2, "{lose}: {listed:?}");
+        let st = status(&mut rt, &sleeper).await;
+        assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
+        assert_eq!(st.metadata.unwrap().name, "sleeper");
+        assert_eq!(
+            container_pid(&mut rt, &sleeper).await,
+            pid,
+            "the same process"
+        );
+        let st = status(&mut rt, &done).await;
+        assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+        assert_eq!(st.exit_code, 7);
+        assert_eq!(exec(&mut rt, &sleeper, "echo alive").await, "alive");
+        assert!(h
+            .log_text()
+            .contains("adopted a running pod whose record was lost"));
+        // A retried RunPodSandbox finds the adopted pod under its name.
+        assert_eq!(run_pod(&mut rt, &cfg).await, pod);
+        remove_pod(&mut rt, &pod).await;
+        assert_no_leaks(&h, &pod);
+        assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
+    }
+}
+
+/// Makes a pod's monitor forget the copy of a record it kept (the pod's when `container` is
+/// empty), as if the create had not finished: the monitor holds the object, no record exists.
+async fn forget_kept_record(h: &support::hako::Hako, pod: &str, container: &str) {
+    use hako_runtime::monitor::wire::{self, code, Method};
+    use prost::Message as _;
+    let sock = h.state.join("pods").join(pod).join("monitor.sock");
+    let (_dir, short) = hako_runtime::monitor::short_socket_path(&sock).unwrap();
+    let mut c = tokio::net::UnixStream::connect(short).await.unwrap();
+    let req = hako_proto::monitor::KeepRecordRequest {
+        container_id: container.into(),
+        record: Vec::new(),
+    };
+    wire::write_frame(&mut c, Method::KeepRecord as u8, &req.encode_to_vec())
+        .await
+        .unwrap();
+    let (status, body) = wire::read_frame(&mut c).await.unwrap();
+    assert_eq!(status, code::OK, "{}", String::from_utf8_lossy(&body));
+}
+
 /// A crash between the first step of a RunPodSandbox or CreateContainer and the record that
 /// ends it, made by killing the daemon and deleting from its store the records that crash
 /// would not have written. The restarted daemon releases all the unfinished objects held, and
@@ -951,6 +1061,14 @@ async fn what_a_crash_cut_short_is_released_and_its_names_are_free_again() {
     let inner = run_container(&mut rt, &lost, &lost_cfg, sleeper("inner")).await;
     let inner_pid = container_pid(&mut rt, &inner).await;
     h.kill9();
+    // Neither the store nor the monitors keep a record of what the crash cut short.
+    for (pod, container) in [
+        (&keeps, half.as_str()),
+        (&lost, ""),
+        (&lost, inner.as_str()),
+    ] {
+        forget_kept_record(&h, pod, container).await;
+    }
     {
         use hako::store::{Store, Table};
         let store = Store::open(&h.root.join("meta.db")).unwrap();

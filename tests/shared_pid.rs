@@ -486,3 +486,133 @@ async fn containers_with_cdi_devices_share_the_pods_processes() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// The pod's infra process, PID 1 of its PID namespace, is killed: the kernel ends every
+/// process of the namespace and nothing can start in it again, so PodSandboxStatus reports
+/// the pod NotReady (kubelet then recreates it). Its monitor still answers; stop and remove
+/// leave nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_whose_infra_process_died_is_not_ready() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = shared_pid_pod("infra-dies", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let sleeper = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("sleeper", &["sleep", "3600"]),
+    )
+    .await;
+    let pod_state = |rt: &mut Rt| {
+        let mut rt = rt.clone();
+        let pod = pod.clone();
+        async move {
+            rt.pod_sandbox_status(cri::PodSandboxStatusRequest {
+                pod_sandbox_id: pod,
+                verbose: false,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .status
+            .unwrap()
+            .state
+        }
+    };
+    assert_eq!(
+        pod_state(&mut rt).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    let init = pod_init(container_pid(&mut rt, &sleeper).await);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(init),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while pod_state(&mut rt).await != cri::PodSandboxState::SandboxNotready as i32 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pod is still reported ready 30 s after its infra process died"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The kernel ended the namespace's other processes with it.
+    assert_eq!(
+        wait_exited(&mut rt, &sleeper).await.state,
+        cri::ContainerState::ContainerExited as i32
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// The host pid of PID 1 of the PID namespace host process `member` is in.
+fn pod_init(member: i32) -> i32 {
+    let ns = std::fs::read_link(format!("/proc/{member}/ns/pid")).unwrap();
+    let inits: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            std::fs::read_link(format!("/proc/{p}/ns/pid")).is_ok_and(|n| n == ns)
+                && Path::new(&format!("/proc/{p}/status")).exists()
+                && pod_pid(*p) == 1
+        })
+        .collect();
+    assert_eq!(inits.len(), 1, "PID 1 of the pod: {inits:?}");
+    inits[0]
+}
+
+/// The pod's monitor is killed: the pod's init (PID 1 of its PID namespace) dies with it, by
+/// the kernel's hand, so no one has to search the host's processes for it; the pod is
+/// reported NotReady at the next relist and goes without leaks.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pods_init_dies_with_its_monitor() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = shared_pid_pod("monitor-dies", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let sleeper = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("sleeper", &["sleep", "3600"]),
+    )
+    .await;
+    let init = pod_init(container_pid(&mut rt, &sleeper).await);
+    kill_monitor(&mut rt, &pod).await;
+    support::wait_for(
+        "the pod's init to die with its monitor",
+        Duration::from_secs(30),
+        || {
+            std::fs::read_to_string(format!("/proc/{init}/stat")).map_or(true, |s| {
+                s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
+            })
+        },
+    )
+    .await;
+    rt.list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap();
+    let state = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap()
+        .state;
+    assert_eq!(state, cri::PodSandboxState::SandboxNotready as i32);
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

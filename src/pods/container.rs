@@ -182,6 +182,8 @@ impl Runtime {
             return Err(e);
         }
         undo.commit();
+        // After the commit: a cancelled call must not undo a recorded container.
+        self.keep_record(&monitor, &id, &record).await;
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         tracing::debug!(
             container = %id,
@@ -520,9 +522,18 @@ impl Runtime {
         let mut survey = Survey::default();
         for (pod, answer) in ready.into_iter().zip(answers) {
             match answer {
-                Ok(info) => survey
-                    .live
-                    .extend(info.containers.into_iter().map(|s| (s.id.clone(), s))),
+                Ok(info) => {
+                    // Its monitor lives but the pod's PID 1 died: nothing can run in it.
+                    if info.pid_ns_gone && pod.namespaces.contains_key("pid") {
+                        survey.unanswered.insert(
+                            pod.id.clone(),
+                            "the pod's PID namespace lost its init process".into(),
+                        );
+                    }
+                    survey
+                        .live
+                        .extend(info.containers.into_iter().map(|s| (s.id.clone(), s)))
+                }
                 Err(e) => {
                     self.check_monitor(pod, &e)?;
                     survey.unanswered.insert(pod.id.clone(), chain(&e));
@@ -618,7 +629,8 @@ impl Runtime {
 pub(super) struct Survey {
     /// Live states of the containers of the pods whose monitor answered.
     live: HashMap<String, pb::ContainerState>,
-    /// Pods whose monitor did not answer, with why.
+    /// Pods reported NotReady though their record says Ready, with why: their monitor did not
+    /// answer, or their PID namespace lost its init.
     pub(super) unanswered: HashMap<String, String>,
 }
 

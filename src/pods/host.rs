@@ -1,8 +1,10 @@
 //! What the pods rooms ask of the host kernel directly: cgroups (kill, remove), the
 //! oom_score_adj floor, processes and directories. The bottom room: it knows no record,
-//! no store and no `Runtime`.
+//! no store and no `Runtime` (only how to name a pod's monitor through its socket).
 
 use std::path::{Path, PathBuf};
+
+use super::monitor_client::MonitorClient;
 
 pub(crate) fn now_nanos() -> i64 {
     std::time::SystemTime::now()
@@ -32,24 +34,38 @@ pub(super) fn oom_floor(restrict: bool, caps: &[String]) -> Option<i32> {
     Some(own)
 }
 
-/// SIGKILLs the processes whose command line names the pod: its monitor and its infra
-/// process (which carries the monitor's command line).
-pub(super) fn kill_pod_processes(pod_id: &str) {
-    let needle = format!("\"pod_id\":\"{pod_id}\"");
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        if std::fs::read(e.path().join("cmdline"))
-            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&needle))
-        {
-            tracing::warn!(pod = %pod_id, pid, "killing a process of the pod left without its monitor");
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
-        }
+/// SIGKILLs a pod's monitor, found as the process listening on the pod's monitor socket (in
+/// `pod_dir`): no command line is read and no other process can pass for it. The pod's init
+/// dies with its monitor (PR_SET_PDEATHSIG, see hako_runtime's infra), and containers'
+/// processes are in their cgroups, which the callers kill ([`kill_cgroup`]).
+pub(super) fn kill_pod_processes(pod_dir: &Path) {
+    let client = MonitorClient::new(pod_dir.join("monitor.sock"));
+    let Some(pid) = client.listener_pid() else {
+        return;
+    };
+    // Held through a pidfd, then checked to be the listener still: a pid reused in between
+    // would not be.
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return;
     }
+    // SAFETY: the syscall just returned this fd; nothing else owns it.
+    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    if client.listener_pid() != Some(pid) {
+        return;
+    }
+    tracing::warn!(pod_dir = %pod_dir.display(), pid, "killing a pod monitor that did not shut down");
+    // SAFETY: pidfd_send_signal on a pidfd this function owns.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
 }
 
 /// The names of the directories in `dir` (none when it does not exist).
@@ -63,10 +79,16 @@ pub(super) fn dir_names(dir: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Whether `pid` is still a hako pod monitor (not a reused pid).
+/// Whether process `pid` still runs (exists and is not a zombie). Only for waiting on a
+/// monitor known to be `pid` (it was the listener on its pod's socket) to finish exiting;
+/// whether some pid is a given pod's monitor is [`MonitorClient::listener_pid`]'s to say.
 pub(super) fn monitor_alive(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .is_ok_and(|c| c.split(|b| *b == 0).any(|a| a == b"monitor"))
+    // The state is the field after the parenthesised command name.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| !matches!(state, "Z" | "X"))
+    })
 }
 
 /// SIGKILLs every process in a container's cgroup (v1 controllers or v2).

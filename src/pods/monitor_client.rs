@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
     // Executed through /proc/self/exe: the daemon's own image even when a package upgrade
     // has replaced the file (its path then no longer names it), so daemon and monitor always
-    // speak the same protocol. argv[0] keeps the path for ps and for the orphan search.
+    // speak the same protocol. argv[0] keeps the path for ps.
     let name = std::env::current_exe()
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| "hako".into());
@@ -110,6 +110,30 @@ const READ_DEADLINE: Duration = Duration::from_millis(1500);
 #[derive(Clone)]
 pub struct MonitorClient {
     socket: PathBuf,
+}
+
+/// Connects to a monitor socket and names the process that listens there.
+fn peer_of(path: &Path) -> std::result::Result<u32, nix::errno::Errno> {
+    use nix::sys::socket::{connect, socket, sockopt, AddressFamily, SockFlag, SockType, UnixAddr};
+    let (_dir, short) = hako_runtime::monitor::short_socket_path(path)
+        .map_err(|e| nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(libc::ENOENT)))?;
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )?;
+    // Non-blocking: a stuck monitor whose backlog is full answers EAGAIN instead of holding
+    // the caller.
+    connect(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &UnixAddr::new(&short)?,
+    )?;
+    let cred = nix::sys::socket::getsockopt(&fd, sockopt::PeerCredentials)?;
+    u32::try_from(cred.pid())
+        .ok()
+        .filter(|p| *p > 0)
+        .ok_or(nix::errno::Errno::ESRCH)
 }
 
 fn status_err(what: &str, status: u8, message: &[u8]) -> Error {
@@ -312,6 +336,41 @@ impl MonitorClient {
             )
             .await?;
         Ok(())
+    }
+
+    /// Has the monitor keep the daemon's record of its pod (`container` empty) or of one of
+    /// its containers, so that the record can be rebuilt from the monitor if the store loses
+    /// it (see `Runtime::reconcile`).
+    pub async fn keep_record(&self, container: &str, record: Vec<u8>) -> Result<()> {
+        let req = pb::KeepRecordRequest {
+            container_id: container.into(),
+            record,
+        };
+        let _: pb::Empty = self
+            .call(
+                Method::KeepRecord,
+                &req,
+                "keep the record in the pod monitor",
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The process listening on this monitor socket, by the kernel's word (SO_PEERCRED of a
+    /// connection to it): the pod's monitor, whether or not it answers calls. `None` when
+    /// nothing listens there. It names the process without reading any command line, and a
+    /// reused pid cannot pass for it: only the process that bound the socket is its peer.
+    pub fn listener_pid(&self) -> Option<u32> {
+        peer_of(&self.socket).ok()
+    }
+
+    /// Whether a process listens on this monitor socket (answering or not: one too stuck to
+    /// accept still counts). A monitor that exited, or never bound it, does not.
+    pub fn listening(&self) -> bool {
+        matches!(
+            peer_of(&self.socket),
+            Ok(_) | Err(nix::errno::Errno::EAGAIN)
+        )
     }
 
     /// Asks the monitor to tear the pod down and waits until its socket is gone; false when

@@ -1,26 +1,131 @@
 //! Recovery: what the daemon finds at start (as containerd's restart reconcile) and a pod
 //! monitor found gone at any time.
 //!
-//! At start the store is a hint: monitors are asked what they hold, what a crash in the middle
-//! of a create left without a record is released, and cached CNI attachments no pod owns are
-//! deleted. A monitor found gone (at start or by the relist) turns its pod NotReady. Below the
-//! lifecycle rooms: the container list (container.rs) reports monitors it finds gone here.
+//! At start the store is a hint: monitors are asked what they hold. Each monitor keeps a copy
+//! of the daemon's records of its pod and containers (`KeepRecord`), so a pod whose record the
+//! store lost (an empty, deleted or damaged `meta.db`) is adopted from its running monitor
+//! ([`adopt_lost_records`], before the image GC so its layers stay pinned), never destroyed.
+//! What a crash in the middle of a create left without a record anywhere is released; what no
+//! live monitor holds is released only when it is provably orphaned (its monitor is not
+//! listening); cached CNI attachments no pod owns are deleted. A monitor found gone (at start
+//! or by the relist) turns its pod NotReady. Below the lifecycle rooms: the container list
+//! (container.rs) reports monitors it finds gone here.
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
 
-use super::host::{dir_names, kill_cgroup, kill_pod_processes, monitor_alive, remove_cgroup};
+use super::host::{
+    dir_names, kill_cgroup, kill_pod_processes, remove_cgroup, remove_leftover_container_cgroups,
+};
 use super::monitor_client::MonitorClient;
-use super::{rootfs, ContainerRecord, ContainerState, ExitInfo, PodRecord, PodState, Runtime};
+use super::{
+    apply_state, rootfs, ContainerRecord, ContainerState, ExitInfo, PodRecord, PodState, Runtime,
+};
 use crate::error::{chain, Error, Result};
-use crate::store::Table;
+use crate::store::{Store, Table};
+use hako_proto::monitor as pb;
+
+/// At start, before anything collects what no record owns: rebuilds from the pods' monitors
+/// the records the store lost. A monitor under `<state>/pods/<id>` that answers for pod `<id>`
+/// with a kept record gets its pod record back (its pid and namespaces as the monitor reports
+/// them), and each container it holds with a kept record gets its record back (in the state
+/// the monitor reports), with their name reservations and image pins. Logged; a record that
+/// cannot be read is reported and skipped (what it names is then left alone, not released).
+/// (An associated function: it runs before the `Runtime` exists, see `Daemon::open`.)
+pub(super) async fn adopt_lost_records(store: &Store, state_dir: &Path) -> Result<()> {
+    for id in dir_names(&state_dir.join("pods")) {
+        let monitor = MonitorClient::new(state_dir.join("pods").join(&id).join("monitor.sock"));
+        if !monitor.listening() {
+            continue;
+        }
+        let info = match monitor.info().await {
+            Ok(info) if info.pod_id == id => info,
+            Ok(info) => {
+                tracing::error!(pod = %id, answered_for = %info.pod_id, "the monitor in a pod's directory answers for another pod: left alone");
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(pod = %id, error = %chain(&e), "pod monitor did not answer at start: its pod is left alone");
+                continue;
+            }
+        };
+        let known = store.get::<PodRecord>(Table::Pods, &id)?;
+        if known.is_none() {
+            if info.pod_record.is_empty() {
+                // The start did not finish: `reconcile` releases it.
+                continue;
+            }
+            let mut pod: PodRecord = match crate::store::decode_record(
+                Table::Pods,
+                &id,
+                &info.pod_record,
+            ) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::error!(pod = %id, error = %chain(&e), "the record a pod monitor kept cannot be read: pod left alone");
+                    continue;
+                }
+            };
+            pod.monitor_pid = info.pid;
+            pod.namespaces = info.namespaces.clone().into_iter().collect();
+            pod.state = PodState::Ready;
+            if let Some(other) = store.reserve(&pod.spec.reservation(), &id)? {
+                tracing::error!(pod = %id, name = %pod.spec.reservation(), holder = %other, "an adopted pod's name is reserved by another object");
+            }
+            store.put(Table::Pods, &id, &pod)?;
+            tracing::warn!(pod = %id, name = %pod.spec.name, namespace = %pod.spec.namespace, monitor_pid = info.pid, "adopted a running pod whose record was lost, from its monitor");
+        }
+        adopt_containers(store, &id, &info)?;
+    }
+    Ok(())
+}
+
+/// The containers a pod's monitor holds and kept records of, where the store has none.
+fn adopt_containers(store: &Store, pod_id: &str, info: &pb::InfoResponse) -> Result<()> {
+    for s in &info.containers {
+        let Some(bytes) = info.container_records.get(&s.id) else {
+            continue;
+        };
+        if store
+            .get::<ContainerRecord>(Table::Containers, &s.id)?
+            .is_some()
+        {
+            continue;
+        }
+        let mut c: ContainerRecord = match crate::store::decode_record(
+            Table::Containers,
+            &s.id,
+            bytes,
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(container = %s.id, error = %chain(&e), "the record a pod monitor kept cannot be read: container left alone");
+                continue;
+            }
+        };
+        apply_state(&mut c, s);
+        if let Some(other) = store.reserve(&c.spec.reservation(pod_id), &c.id)? {
+            tracing::error!(container = %c.id, holder = %other, "an adopted container's name is reserved by another object");
+        }
+        store.pin(&c.id, &c.chain_ids)?;
+        store.put(Table::Containers, &c.id, &c)?;
+        tracing::warn!(container = %c.id, pod = %pod_id, name = %c.spec.name, state = ?c.state, "adopted a container whose record was lost, from its pod's monitor");
+    }
+    Ok(())
+}
 
 impl Runtime {
+    /// See [`adopt_lost_records`].
+    pub async fn adopt_lost_records(store: &Store, state_dir: &Path) -> Result<()> {
+        adopt_lost_records(store, state_dir).await
+    }
+
     /// After a failed call to a pod's monitor: if the monitor process is gone, the pod is
     /// reported NotReady, its containers Exited with the exit their monitor recorded, or
     /// Unknown when it recorded none, and what the monitor held is released. Logged, never
     /// silent. A monitor that is alive but did not answer is left alone.
     pub(super) fn check_monitor(&self, pod: &PodRecord, err: &Error) -> Result<()> {
-        if monitor_alive(pod.monitor_pid) {
+        if self.monitor(pod).listening() {
             tracing::warn!(pod = %pod.id, error = %chain(err), "pod monitor did not answer");
             return Ok(());
         }
@@ -30,45 +135,55 @@ impl Runtime {
 
     fn monitor_lost(&self, pod: &PodRecord) -> Result<()> {
         let dir = self.pod_dir(&pod.id);
-        for mut c in self.containers_of(&pod.id)? {
+        for c in self.containers_of(&pod.id)? {
             if c.state == ContainerState::Exited {
                 continue;
             }
-            let recorded = std::fs::read(dir.join("containers").join(&c.id).join("exit.json"))
-                .ok()
-                .and_then(|b| serde_json::from_slice::<hako_runtime::monitor::Exit>(&b).ok());
-            match recorded {
-                Some(e) => {
-                    c.state = ContainerState::Exited;
-                    c.exit = Some(ExitInfo {
-                        code: e.code,
-                        signal: e.signal,
-                        finished_at: e.finished_at,
-                        oom_killed: e.oom_killed,
-                    });
-                }
-                None => {
-                    // Orphaned processes would run on unwatched: end them.
-                    kill_cgroup(&c.cgroups_path);
-                    c.state = ContainerState::Unknown;
-                }
+            let recorded = hako_runtime::monitor::recorded_exit(&dir, &c.id);
+            if recorded.is_none() {
+                // Orphaned processes would run on unwatched: end them.
+                kill_cgroup(&c.cgroups_path);
             }
-            self.store.put(Table::Containers, &c.id, &c)?;
+            // Only while the record exists: a removal racing this stays a removal.
+            self.store
+                .update(Table::Containers, &c.id, |c: &mut ContainerRecord| {
+                    if c.state == ContainerState::Exited {
+                        return false;
+                    }
+                    match &recorded {
+                        Some(e) => {
+                            c.state = ContainerState::Exited;
+                            c.exit = Some(ExitInfo {
+                                code: e.code,
+                                signal: e.signal,
+                                finished_at: e.finished_at,
+                                oom_killed: e.oom_killed,
+                            });
+                        }
+                        None => c.state = ContainerState::Unknown,
+                    }
+                    true
+                })?;
             let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
         }
-        // The infra process outlives its monitor (it was reparented).
-        kill_pod_processes(&pod.id);
+        // The pod's init died with its monitor (PR_SET_PDEATHSIG): only the pins are left.
         hako_runtime::monitor::unpin_namespaces(&dir);
-        let mut pod = pod.clone();
-        pod.state = PodState::NotReady;
         self.monitors
             .lock()
             .expect("monitors poisoned")
             .remove(&pod.id);
-        self.store.put(Table::Pods, &pod.id, &pod)
+        self.store
+            .update(Table::Pods, &pod.id, |p: &mut PodRecord| {
+                let changed = p.state != PodState::NotReady;
+                p.state = PodState::NotReady;
+                changed
+            })?;
+        Ok(())
     }
 
-    /// At start: pods whose monitor died while the daemon was down are reported as such.
+    /// At start (after [`adopt_lost_records`]): pods whose monitor died while the daemon was
+    /// down are reported as such, and monitors get copies of records they lack (kept by an
+    /// older hako, or a crash between the store and the copy).
     ///
     /// Also releases what a crash in the middle of a RunPodSandbox or CreateContainer made
     /// before its record was written (a monitor and its namespaces, a container in a live pod,
@@ -81,12 +196,13 @@ impl Runtime {
             .into_iter()
             .map(|p| (p.id.clone(), p))
             .collect();
-        let containers: HashSet<String> = self
+        let records: HashMap<String, ContainerRecord> = self
             .store
             .all::<ContainerRecord>(Table::Containers)?
             .into_iter()
-            .map(|c| c.id)
+            .map(|c| (c.id.clone(), c))
             .collect();
+        let containers: HashSet<String> = records.keys().cloned().collect();
         for pod in pods.values().filter(|p| p.state == PodState::Ready) {
             let monitor = self.monitor(pod);
             let info = match monitor.info().await {
@@ -96,13 +212,20 @@ impl Runtime {
                     continue;
                 }
             };
-            for c in info
-                .containers
-                .iter()
-                .filter(|c| !containers.contains(&c.id))
-            {
-                tracing::warn!(pod = %pod.id, container = %c.id, "deleting a container whose create did not finish");
-                monitor.delete(&c.id, true).await?;
+            if info.pod_record.is_empty() {
+                self.keep_record(&monitor, "", pod).await;
+            }
+            for c in &info.containers {
+                match records.get(&c.id) {
+                    Some(rec) if !info.container_records.contains_key(&c.id) => {
+                        self.keep_record(&monitor, &c.id, rec).await;
+                    }
+                    Some(_) => {}
+                    None => {
+                        tracing::warn!(pod = %pod.id, container = %c.id, "deleting a container whose create did not finish");
+                        monitor.delete(&c.id, true).await?;
+                    }
+                }
             }
         }
         self.release_orphans(&pods, &containers).await?;
@@ -110,37 +233,77 @@ impl Runtime {
         Ok(())
     }
 
-    /// The part of `reconcile` that needs no monitor: pod directories, bundles and layers,
-    /// reservations and pins no record owns.
+    /// Gives a pod's monitor a copy of a record (see `adopt_lost_records`). A failure is
+    /// logged, not returned: the store has the record, only its spare copy is missing (the
+    /// next start's reconcile gives it again). Copies are taken when a pod or container is
+    /// created; an adopted record has the monitor's state, but changes made only to the
+    /// record since (updated resources) are not in the copy.
+    pub(super) async fn keep_record<T: serde::Serialize>(
+        &self,
+        monitor: &MonitorClient,
+        container: &str,
+        record: &T,
+    ) {
+        if let Err(e) = monitor
+            .keep_record(container, crate::store::encode_record(record))
+            .await
+        {
+            tracing::warn!(container, error = %chain(&e), "the pod monitor did not take a copy of the record: it cannot be adopted if the store loses it");
+        }
+    }
+
+    /// The part of `reconcile` that needs no record: pod directories, bundles and layers,
+    /// reservations and pins no record owns. A pod directory whose monitor still listens is
+    /// not orphaned: one that kept no record is an unfinished start and is shut down; one that
+    /// did not answer is left alone, and so are all record-less container files then (they may
+    /// be its containers').
     async fn release_orphans(
         &self,
         pods: &HashMap<String, PodRecord>,
         containers: &HashSet<String>,
     ) -> Result<()> {
+        let mut unsure = false;
         for id in dir_names(&self.state_dir.join("pods")) {
             if pods.contains_key(&id) {
                 continue;
             }
-            tracing::warn!(pod = %id, "releasing a pod sandbox whose start did not finish");
             let dir = self.pod_dir(&id);
             let monitor = MonitorClient::new(dir.join("monitor.sock"));
-            if monitor.info().await.is_ok() {
-                monitor.shutdown().await;
+            if monitor.listening() {
+                match monitor.info().await {
+                    Ok(info) if info.pod_id == id && info.pod_record.is_empty() => {
+                        tracing::warn!(pod = %id, "releasing a pod sandbox whose start did not finish");
+                        if !monitor.shutdown().await {
+                            kill_pod_processes(&dir);
+                        }
+                    }
+                    _ => {
+                        tracing::error!(pod = %id, "a live pod monitor holds a pod that has no record and could not be adopted: left running, with every container file no record owns");
+                        unsure = true;
+                        continue;
+                    }
+                }
+            } else {
+                tracing::warn!(pod = %id, "releasing the files of a pod whose monitor is gone and whose record was lost");
             }
-            kill_pod_processes(&id);
             hako_runtime::monitor::unpin_namespaces(&dir);
             let _ = std::fs::remove_dir_all(&dir);
-            remove_cgroup(&format!("/hako/{id}"));
+            // Its monitor is gone: what runs in hako's container cgroups below it is orphaned.
+            let cgroup = format!("/hako/{id}");
+            remove_leftover_container_cgroups(&cgroup);
+            remove_cgroup(&cgroup);
         }
-        // A container's bundle and layer dirs share its id: each id once.
-        let dirs: std::collections::BTreeSet<String> =
-            dir_names(&self.state_dir.join("containers"))
-                .into_iter()
-                .chain(dir_names(&self.root_dir.join("containers")))
-                .collect();
-        for id in dirs.into_iter().filter(|id| !containers.contains(id)) {
-            tracing::warn!(container = %id, "removing the files of a container whose create did not finish");
-            self.remove_container_files(&id)?;
+        if !unsure {
+            // A container's bundle and layer dirs share its id: each id once.
+            let dirs: std::collections::BTreeSet<String> =
+                dir_names(&self.state_dir.join("containers"))
+                    .into_iter()
+                    .chain(dir_names(&self.root_dir.join("containers")))
+                    .collect();
+            for id in dirs.into_iter().filter(|id| !containers.contains(id)) {
+                tracing::warn!(container = %id, "removing the files of a container whose create did not finish");
+                self.remove_container_files(&id)?;
+            }
         }
         for (name, holder) in self.store.reservations()? {
             if !pods.contains_key(&holder) && !containers.contains(&holder) {

@@ -201,7 +201,7 @@ impl Runtime {
             Err(e) => {
                 // The monitor holds mounts in the pod dir: it goes before the dir does.
                 if !client.shutdown().await {
-                    kill_pod_processes(&id);
+                    kill_pod_processes(&self.pod_dir(&id));
                     hako_runtime::monitor::unpin_namespaces(&self.pod_dir(&id));
                 }
                 return Err(e);
@@ -212,6 +212,9 @@ impl Runtime {
             .expect("monitors poisoned")
             .insert(id.clone(), client);
         undo.commit();
+        // A spare copy (after the commit: a cancelled call must not undo a recorded pod): the
+        // pod is adopted from its monitor if the store loses the record.
+        self.keep_record(&self.monitor(&record), "", &record).await;
         self.warm_pods
             .lock()
             .expect("warm pods poisoned")
@@ -307,7 +310,7 @@ impl Runtime {
             // A monitor that does not finish its teardown is ended, and what it pinned
             // released, here: the pod's removal must not find its namespaces still mounted.
             tracing::warn!(pod = %pod.id, "ending the pod's processes and releasing its namespaces itself");
-            kill_pod_processes(&pod.id);
+            kill_pod_processes(&self.pod_dir(&pod.id));
             hako_runtime::monitor::unpin_namespaces(&self.pod_dir(&pod.id));
         }
         // The monitor removes its socket last and exits right after: the stop is complete when

@@ -105,15 +105,33 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
         std::process::exit(1);
     }
     if ns.pid {
-        // The first child in the new PID namespace is its init.
-        // SAFETY: the monitor is single-threaded here.
-        match unsafe { fork() } {
-            Ok(ForkResult::Parent { child }) => {
-                let _ = writeln!(report, "P{}", child.as_raw());
+        // The first child in the new PID namespace is its init. Cloned as the monitor's own
+        // child (CLONE_PARENT), so it can die with the monitor (PR_SET_PDEATHSIG fires when
+        // the parent goes): a pod's init never outlives the monitor that answers for it, and
+        // no one has to search for it afterwards.
+        // SAFETY: a fork-like clone (no new stack, no shared memory) of a single-threaded
+        // process; the child only makes system calls.
+        let child = unsafe {
+            libc::syscall(
+                libc::SYS_clone,
+                (libc::CLONE_PARENT | libc::SIGCHLD) as libc::c_ulong,
+                0usize,
+                0usize,
+                0usize,
+                0usize,
+            )
+        };
+        match child {
+            0 => {
+                // SAFETY: prctl on this process only.
+                unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+            }
+            c if c > 0 => {
+                let _ = writeln!(report, "P{c}");
                 std::process::exit(0);
             }
-            Ok(ForkResult::Child) => {}
-            Err(e) => {
+            _ => {
+                let e = std::io::Error::last_os_error();
                 let _ = writeln!(report, "Efork pod init: {e}");
                 std::process::exit(1);
             }

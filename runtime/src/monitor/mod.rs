@@ -2,8 +2,10 @@
 //!
 //! It pins the pod's namespaces through an infra child, is the child subreaper of every process
 //! of the pod, creates and starts containers through libcontainer, owns their stdio (CRI log
-//! files), records each exit durably (`containers/<id>/exit.json`) before reporting it, and
-//! serves `hako.monitor.v1.Monitor` on `<pod dir>/monitor.sock`.
+//! files), records each exit durably (`containers/<id>/exit.json`) before reporting it, keeps
+//! in memory the copies of the daemon's records it is given (`KeepRecord`; the daemon adopts a
+//! pod from them when its store lost it), and serves `hako.monitor.v1.Monitor` on
+//! `<pod dir>/monitor.sock`.
 //!
 //! It runs a current-thread tokio runtime and never uses the blocking pool, so it is
 //! single-threaded whenever libcontainer forks. libcontainer calls block that one thread for
@@ -67,6 +69,8 @@ pub(crate) struct Ctr {
     pub bundle: PathBuf,
     pub log: Arc<Mutex<LogWriter>>,
     pub waiters: Vec<tokio::sync::oneshot::Sender<()>>,
+    /// The daemon's record of the container (KeepRecord), opaque here; empty until kept.
+    pub record: Vec<u8>,
 }
 
 /// Exits of processes that are not container inits (execs), by pid, for whoever waits.
@@ -85,6 +89,8 @@ pub(crate) struct State {
     pub pid_ns_dead: bool,
     pub ns_paths: HashMap<String, String>,
     pub containers: HashMap<String, Ctr>,
+    /// The daemon's record of the pod (KeepRecord), opaque here; empty until kept.
+    pub pod_record: Vec<u8>,
     pub reaped: Reaped,
     pub shutdown: Option<tokio::sync::oneshot::Sender<()>>,
 }
@@ -119,6 +125,17 @@ pub(crate) fn record_exit(dir: &Path, exit: &Exit) -> std::io::Result<()> {
     f.write_all(&serde_json::to_vec(exit).expect("exit serializes"))?;
     f.sync_all()?;
     std::fs::rename(&tmp, dir.join("exit.json"))
+}
+
+/// The exit a pod's monitor recorded for a container (under the pod directory `pod_dir`),
+/// if it recorded one: what the daemon knows of a container whose monitor is gone. The file's
+/// format stays this module's business.
+pub fn recorded_exit(pod_dir: &Path, container_id: &str) -> Option<Exit> {
+    let file = pod_dir
+        .join("containers")
+        .join(container_id)
+        .join("exit.json");
+    serde_json::from_slice(&std::fs::read(file).ok()?).ok()
 }
 
 /// Whether the kernel OOM-killed something in the container's memory cgroup.
@@ -249,6 +266,7 @@ fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>), 
         pid_ns_dead: false,
         ns_paths,
         containers: HashMap::new(),
+        pod_record: Vec::new(),
         reaped: Reaped::default(),
         shutdown: Some(tx),
     };

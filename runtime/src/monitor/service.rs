@@ -368,7 +368,33 @@ impl Svc {
                 .iter()
                 .map(|(id, c)| proto_state(id, c))
                 .collect(),
+            pod_record: st.pod_record.clone(),
+            container_records: st
+                .containers
+                .iter()
+                .filter(|(_, c)| !c.record.is_empty())
+                .map(|(id, c)| (id.clone(), c.record.clone()))
+                .collect(),
+            pid_ns_gone: st.pid_ns_dead,
         })
+    }
+
+    async fn keep_record(&self, req: pb::KeepRecordRequest) -> Result<pb::Empty, Status> {
+        let mut st = self.state.lock().expect("state");
+        if req.container_id.is_empty() {
+            st.pod_record = req.record;
+        } else {
+            st.containers
+                .get_mut(&req.container_id)
+                .ok_or_else(|| {
+                    Status::not_found(format!(
+                        "container {} not found in pod monitor",
+                        req.container_id
+                    ))
+                })?
+                .record = req.record;
+        }
+        Ok(pb::Empty {})
     }
 
     async fn create_container(
@@ -463,6 +489,7 @@ impl Svc {
                 bundle,
                 log,
                 waiters: Vec::new(),
+                record: Vec::new(),
             },
         );
         tracing::info!(container = %req.id, pid = pid.as_raw(), "container created");
@@ -778,7 +805,7 @@ impl Svc {
                 return;
             }
         };
-        let answer = match Method::from_u8(tag) {
+        let answer = match wire::method(tag) {
             Some(m) => self.dispatch(m, &body).await,
             None => Err(Status::new(
                 wire::code::UNIMPLEMENTED,
@@ -808,6 +835,13 @@ impl Svc {
             Method::ExecSync => self.exec_sync(decode(body)?).await?.encode_to_vec(),
             Method::ReopenLog => self.reopen_log(decode(body)?).await?.encode_to_vec(),
             Method::Shutdown => self.shutdown(decode(body)?).await?.encode_to_vec(),
+            Method::KeepRecord => self.keep_record(decode(body)?).await?.encode_to_vec(),
+            Method::Unspecified => {
+                return Err(Status::new(
+                    wire::code::UNIMPLEMENTED,
+                    "monitor call 0 names no call",
+                ))
+            }
         };
         Ok(out)
     }

@@ -19,40 +19,16 @@ pub const EXEC_OUTPUT_CAP: usize = 16 * 1024 * 1024;
 /// The largest frame either side accepts: two capped ExecSync outputs and change.
 pub const MAX_FRAME: usize = 2 * EXEC_OUTPUT_CAP + 64 * 1024;
 
-/// The calls, as numbered on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Method {
-    Info = 1,
-    CreateContainer = 2,
-    StartContainer = 3,
-    Signal = 4,
-    State = 5,
-    Wait = 6,
-    Delete = 7,
-    ExecSync = 8,
-    ReopenLog = 9,
-    Shutdown = 10,
-}
+/// The calls, as numbered on the wire: the proto's `Method` enum, generated, so the numbers
+/// are defined once (in `proto/monitor.proto`) and both sides use the same ones.
+pub use hako_proto::monitor::Method;
 
-impl Method {
-    pub fn from_u8(b: u8) -> Option<Method> {
-        use Method::*;
-        [
-            Info,
-            CreateContainer,
-            StartContainer,
-            Signal,
-            State,
-            Wait,
-            Delete,
-            ExecSync,
-            ReopenLog,
-            Shutdown,
-        ]
-        .into_iter()
-        .find(|m| *m as u8 == b)
-    }
+/// The call a frame's method byte names; `None` for a number this build does not know (and
+/// for 0, which names no call).
+pub fn method(b: u8) -> Option<Method> {
+    Method::try_from(i32::from(b))
+        .ok()
+        .filter(|m| *m != Method::Unspecified)
 }
 
 /// gRPC status codes the monitor answers with (the daemon maps them as it maps its own).
@@ -170,10 +146,28 @@ mod tests {
     }
 
     #[test]
-    fn methods_decode_from_their_numbers_only() {
-        assert_eq!(Method::from_u8(8), Some(Method::ExecSync));
-        assert_eq!(Method::from_u8(10), Some(Method::Shutdown));
-        assert_eq!(Method::from_u8(0), None);
-        assert_eq!(Method::from_u8(11), None);
+    fn every_method_round_trips_and_unknown_numbers_are_refused() {
+        let mut known = 0;
+        for n in 0..=i32::from(u8::MAX) + 1 {
+            match Method::try_from(n) {
+                Ok(Method::Unspecified) => assert_eq!(method(n as u8), None, "0 names no call"),
+                Ok(m) => {
+                    // It fits the frame's byte and decodes back to itself.
+                    assert!(
+                        n <= i32::from(u8::MAX),
+                        "{m:?} = {n} does not fit the method byte"
+                    );
+                    assert_eq!(m as u8 as i32, n);
+                    assert_eq!(method(m as u8), Some(m));
+                    known += 1;
+                }
+                Err(_) if n <= i32::from(u8::MAX) => assert_eq!(method(n as u8), None, "{n}"),
+                Err(_) => {}
+            }
+        }
+        // The calls the proto's service documents, each with a number.
+        assert_eq!(known, 11);
+        assert_eq!(method(8), Some(Method::ExecSync));
+        assert_eq!(method(12), None);
     }
 }
