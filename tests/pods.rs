@@ -1007,6 +1007,19 @@ async fn a_running_pod_survives_the_loss_of_the_store() {
         let st = status(&mut rt, &done).await;
         assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
         assert_eq!(st.exit_code, 7);
+        // kubelet pulls the image again (its record went with the store): the layers the
+        // running container's overlay has as lowers stay as they are.
+        h.images()
+            .await
+            .pull_image(cri::PullImageRequest {
+                image: Some(cri::ImageSpec {
+                    image: IMAGE.into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
         assert_eq!(exec(&mut rt, &sleeper, "echo alive").await, "alive");
         assert!(h
             .log_text()

@@ -573,14 +573,24 @@ impl LayerJob {
         })
         .await
         .map_err(|e| Error::Internal(format!("unpack task: {e}")))??;
-        if final_dir.exists() {
-            // A record-less leftover of an earlier run: ours replaces it.
-            std::fs::remove_dir_all(&final_dir).map_err(|e| Error::io("remove", &final_dir, e))?;
+        let in_use = final_dir.exists() && inner.store.pinned()?.contains(&self.chain_id);
+        if in_use {
+            // A record-less snapshot a container still runs on (its record was adopted after
+            // the store was lost): an overlay has it as a lower, so it stays, and ours, the
+            // same content by chain id, goes.
+            tracing::info!(layer = %self.digest, chain_id = %self.chain_id, "keeping the snapshot a running container uses");
+        } else {
+            if final_dir.exists() {
+                // A record-less leftover of an earlier run: ours replaces it.
+                std::fs::remove_dir_all(&final_dir)
+                    .map_err(|e| Error::io("remove", &final_dir, e))?;
+            }
+            std::fs::rename(&tmp, &final_dir)
+                .map_err(|e| Error::io("rename snapshot into", &final_dir, e))?;
+            tmp_cleanup.disarm();
         }
-        std::fs::rename(&tmp, &final_dir)
-            .map_err(|e| Error::io("rename snapshot into", &final_dir, e))?;
-        tmp_cleanup.disarm();
-        let mut final_cleanup = Cleanup(Some(final_dir.clone()));
+        // A failure below removes what this pull put in place, never a snapshot in use.
+        let mut final_cleanup = Cleanup((!in_use).then(|| final_dir.clone()));
         if inner.config.sync_layers {
             // The record below says the layer is complete: its files, and the rename that
             // put them in place, must be on disk first, or a power loss leaves a "complete"
