@@ -61,6 +61,13 @@ fn main() -> ExitCode {
     // The daemon's exact form skips clap: its parser is ~200 KiB of code every monitor would
     // map for one parse. Any other form (`hako monitor --help`) goes through clap.
     let args: Vec<std::ffi::OsString> = std::env::args_os().take(5).collect();
+    // A CDI hook run through hako (see hako_runtime::cdi::apply): its arguments are the
+    // hook's own, never hako's options.
+    if args.get(1).is_some_and(|a| a == "cdi-hook") {
+        let all: Vec<std::ffi::OsString> = std::env::args_os().skip(2).collect();
+        let code = hako_runtime::cdi::hook_main(&all);
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     if args.len() == 4 && args[1] == "monitor" && args[2] == "--options" {
         return monitor(&args[3].to_string_lossy());
     }

@@ -363,3 +363,444 @@ async fn unknown_ambiguous_and_broken_specs_fail_cleanly_and_changes_apply_live(
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// A Go module as the Go module proxy serves it, pinned by its `h1:` sum (the hash go.sum
+/// records; checked again here over the unpacked files, as `go mod verify` does).
+struct GoModule {
+    path: &'static str,
+    version: &'static str,
+    h1: &'static str,
+}
+
+/// Upstream CDI's last release whose module still carries `schema/testdata` (good and bad
+/// specs of the JSON schema).
+const CDI_SCHEMA: GoModule = GoModule {
+    path: "tags.cncf.io/container-device-interface",
+    version: "v0.8.1",
+    h1: "h1:c0jN4Mt6781jD67NdPajmZlD1qrqQyov/Xfoab37lj0=",
+};
+
+/// nvidia-container-toolkit: its tests hold the specs `nvidia-ctk cdi generate` writes.
+const NVIDIA_CTK: GoModule = GoModule {
+    path: "github.com/NVIDIA/nvidia-container-toolkit",
+    version: "v1.19.1",
+    h1: "h1:1sV4ddFrBccqL9Lbzcdu50w2j5FhyNJpN5hXTfCsjps=",
+};
+
+/// Go's dirhash "h1": sha256 over the sorted lines "<sha256 of file>  <module@version/path>".
+fn h1_of_dir(dir: &std::path::Path, prefix: &str) -> String {
+    use base64::Engine as _;
+    use sha2::{Digest, Sha256};
+    let mut files = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            let t = e.file_type().unwrap();
+            if t.is_dir() {
+                todo.push(e.path());
+            } else {
+                let rel = e.path().strip_prefix(dir).unwrap().display().to_string();
+                files.push((format!("{prefix}/{rel}"), e.path()));
+            }
+        }
+    }
+    files.sort();
+    let mut summary = String::new();
+    for (name, p) in files {
+        let sum = Sha256::digest(std::fs::read(&p).unwrap());
+        let hex: String = sum.iter().map(|b| format!("{b:02x}")).collect();
+        summary.push_str(&format!("{hex}  {name}\n"));
+    }
+    format!(
+        "h1:{}",
+        base64::engine::general_purpose::STANDARD.encode(Sha256::digest(summary.as_bytes()))
+    )
+}
+
+/// The module's files, downloaded by `go mod download` (into the Go module cache) and
+/// verified against the pin; None (skipped) without go or the proxy.
+fn go_module(m: &GoModule) -> Option<std::path::PathBuf> {
+    let what = format!("{}@{}", m.path, m.version);
+    let Some(go) = support::which("go") else {
+        support::skip(
+            &what,
+            "go is not on PATH (it fetches the conformance specs)",
+        );
+        return None;
+    };
+    // Outside any module, so that no go.mod of the checkout is consulted.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(go)
+        .args(["mod", "download", "-json", &what])
+        .current_dir(tmp.path())
+        .env("GOFLAGS", "-mod=mod")
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    if !out.status.success() || v.get("Error").is_some() {
+        support::skip(
+            &what,
+            &format!(
+                "go mod download failed (no module proxy?): {} {}",
+                v["Error"],
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        );
+        return None;
+    }
+    assert_eq!(
+        v["Sum"], m.h1,
+        "{what}: the proxy's sum is not the pinned one"
+    );
+    let dir = std::path::PathBuf::from(v["Dir"].as_str().expect("Dir"));
+    assert_eq!(
+        h1_of_dir(&dir, &what),
+        m.h1,
+        "{what}: the files in {} do not hash to the pinned sum",
+        dir.display()
+    );
+    Some(dir)
+}
+
+/// The YAML specs in a Go test file's raw strings (`...`), template fields (`{{ .driverRoot }}`)
+/// replaced by `root`.
+fn go_raw_specs(text: &str, root: &str) -> Vec<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|s| s.contains("cdiVersion:"))
+        .map(|s| {
+            let mut out = String::new();
+            let mut rest = s;
+            while let Some(i) = rest.find("{{") {
+                out.push_str(&rest[..i]);
+                let j = rest[i..].find("}}").expect("closed template field") + i + 2;
+                out.push_str(root);
+                rest = &rest[j..];
+            }
+            out.push_str(rest);
+            out
+        })
+        .collect()
+}
+
+/// Every device of every good spec resolves and its edits apply to a generated OCI spec that
+/// still types; the host's missing device nodes are stood in for by nodes the test makes.
+fn apply_all(dir: &std::path::Path, nodes: &std::path::Path) -> usize {
+    let reg = hako_runtime::cdi::Registry::new(vec![dir.to_path_buf()]);
+    let (devices, errors) = reg.report();
+    assert!(errors.is_empty(), "good specs rejected: {errors:#?}");
+    for name in &devices {
+        let mut r = reg
+            .resolve(std::slice::from_ref(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        for (_, e) in &mut r.edits {
+            for d in &mut e.device_nodes {
+                let host = d.host_path.clone().unwrap_or_else(|| d.path.clone());
+                let stand_in = nodes.join(host.trim_start_matches('/').replace('/', "_"));
+                if !stand_in.exists() {
+                    nix::sys::stat::mknod(
+                        &stand_in,
+                        nix::sys::stat::SFlag::S_IFCHR,
+                        nix::sys::stat::Mode::from_bits_truncate(0o666),
+                        nix::sys::stat::makedev(1, 3),
+                    )
+                    .unwrap();
+                }
+                d.host_path = Some(stand_in.display().to_string());
+            }
+        }
+        let mut oci = hako_runtime::spec::generate_json(&hako_runtime::spec::ContainerSpec {
+            args: vec!["true".into()],
+            ..Default::default()
+        });
+        hako_runtime::cdi::apply(&mut oci, &r).unwrap_or_else(|e| panic!("{name}: {e}"));
+        hako_runtime::spec::typed(oci).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    devices.len()
+}
+
+#[test]
+fn upstream_and_nvidia_ctk_specs_parse_apply_or_are_refused_by_field() {
+    if !nix::unistd::Uid::effective().is_root() {
+        support::skip("cdi corpus", "needs root to make stand-in device nodes");
+        return;
+    }
+    let Some(cdi) = go_module(&CDI_SCHEMA) else {
+        return;
+    };
+    let Some(ctk) = go_module(&NVIDIA_CTK) else {
+        return;
+    };
+    let work = tempfile::tempdir().unwrap();
+    let (good, bad, nodes) = (
+        work.path().join("good"),
+        work.path().join("bad"),
+        work.path().join("nodes"),
+    );
+    for d in [&good, &bad, &nodes] {
+        std::fs::create_dir(d).unwrap();
+    }
+    // Each good spec alone in a directory: several define the same devices.
+    let put_good = |name: &str, text: &str| {
+        let d = good.join(name);
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join(name), text).unwrap();
+    };
+    // Upstream's schema test specs, good and bad.
+    for kind in ["good", "bad"] {
+        for e in std::fs::read_dir(cdi.join("schema/testdata").join(kind)).unwrap() {
+            let p = e.unwrap().path();
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let text = std::fs::read_to_string(&p).unwrap();
+            if kind == "good" {
+                put_good(&name, &text);
+            } else {
+                std::fs::write(bad.join(name), text).unwrap();
+            }
+        }
+    }
+    // nvidia-ctk's generated specs, as its tests expect them (all good to upstream's parser).
+    let root = work.path().join("driver-root").display().to_string();
+    let mut n = 0;
+    let mut todo = vec![ctk.clone()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() && p.file_name() != Some("vendor".as_ref()) {
+                todo.push(p);
+            } else if p.to_string_lossy().ends_with("_test.go") {
+                for spec in go_raw_specs(&std::fs::read_to_string(&p).unwrap(), &root) {
+                    n += 1;
+                    put_good(&format!("nvidia-ctk-{n:02}.yaml"), &spec);
+                }
+            }
+        }
+    }
+    assert!(
+        n >= 10,
+        "only {n} nvidia-ctk specs found in {}",
+        ctk.display()
+    );
+    for e in std::fs::read_dir(&good).unwrap() {
+        let d = e.unwrap().path();
+        let devices = apply_all(&d, &nodes);
+        assert!(devices >= 1, "{}: no devices", d.display());
+    }
+
+    let reg = hako_runtime::cdi::Registry::new(vec![bad.clone()]);
+    let (devices, errors) = reg.report();
+    assert!(devices.is_empty(), "{devices:?}");
+    let files: Vec<_> = std::fs::read_dir(&bad).unwrap().collect();
+    assert_eq!(errors.len(), files.len(), "{errors:#?}");
+    for (file, e) in &errors {
+        assert!(file.starts_with(&bad), "{file:?}");
+        assert!(e.contains("cdiVersion"), "{}: {e}", file.display());
+    }
+}
+
+/// Specs as vendors write them: CDI 1.1.0, `additionalGids` as upstream's Go types spell it,
+/// an unquoted YAML 1.1 octal fileMode, a node nested under /dev, a bind mount option that is
+/// no mount flag, and one device defined in both spec directories.
+#[tokio::test(flavor = "multi_thread")]
+async fn vendor_written_specs_gids_octal_modes_nested_nodes_and_overrides() {
+    let Some(cdi) = Cdi::new() else {
+        return;
+    };
+    let spec = |gid: u32| {
+        format!(
+            r#"---
+cdiVersion: 1.1.0
+kind: hako.test/vendor
+devices:
+    - name: "0"
+      containerEdits:
+        deviceNodes:
+            - path: /dev/vendor/sub/node0
+              type: c
+              major: 1
+              minor: 3
+              fileMode: 0640
+        additionalGids:
+            - {gid}
+        mounts:
+            - hostPath: {data}
+              containerPath: /opt/vendor
+              options: [ro, nosuid, nodev, rbind, rprivate, x-vendor-option]
+"#,
+            data = cdi.path("data"),
+        )
+    };
+    cdi.write("etc", "vendor.yaml", &spec(4343));
+    cdi.write("run", "vendor.yaml", &spec(4344));
+    let Some((_reg, h)) = setup(&cdi).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("cdi-vendor", &logs.path().join("p"));
+    let pod = run_pod(&mut rt, &cfg).await;
+    let id = create(
+        &mut rt,
+        &pod,
+        &cfg,
+        with_cdi(
+            container_config("v", &["sleep", "60"]),
+            &["hako.test/vendor=0"],
+        ),
+    )
+    .await
+    .unwrap();
+    rt.start_container(cri::StartContainerRequest {
+        container_id: id.clone(),
+    })
+    .await
+    .unwrap();
+    // /run's definition wins over /etc's, and the log says which file was used.
+    let groups = exec(&mut rt, &id, "id -G").await;
+    assert!(groups.split(' ').any(|g| g == "4344"), "{groups}");
+    assert!(!groups.split(' ').any(|g| g == "4343"), "{groups}");
+    let log = h.log_text();
+    assert!(
+        log.contains("the later directory wins") && log.contains(&cdi.path("run/vendor.yaml")),
+        "{log}"
+    );
+    // 0640 is octal, as Go's YAML reads it; the directories above the node are 0755, as runc
+    // makes them.
+    assert_eq!(
+        exec(
+            &mut rt,
+            &id,
+            "stat -c '%a %t:%T' /dev/vendor/sub/node0; stat -c %a /dev/vendor /dev/vendor/sub | tr '\\n' ' '"
+        )
+        .await,
+        "640 1:3\n755 755"
+    );
+    assert_eq!(
+        exec(&mut rt, &id, "cat /opt/vendor/vendor.txt").await,
+        "vendor-library"
+    );
+    // The option the kernel ignores on a bind mount is not dropped without a word.
+    assert!(
+        log.contains("x-vendor-option") && log.contains("ignores for bind mounts"),
+        "{log}"
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// A CDI hook that fails is named in the error with its device, spec file, exit status and
+/// the start of its stderr; a failing startContainer hook fails StartContainer.
+#[tokio::test(flavor = "multi_thread")]
+async fn failing_cdi_hooks_are_named_in_create_and_start_errors() {
+    let Some(cdi) = Cdi::new() else {
+        return;
+    };
+    let hook = |name: &str, stage: &str, path: &str, script: &str| {
+        format!(
+            "    - name: {name}\n      containerEdits:\n        hooks:\n          - hookName: {stage}\n            path: {path}\n            args: [sh, -c, '{script}']\n"
+        )
+    };
+    let text = format!(
+        "cdiVersion: 0.6.0\nkind: hako.test/hooks\ndevices:\n{}{}{}{}",
+        hook(
+            "exits",
+            "createContainer",
+            "/bin/sh",
+            "echo the hook broke >&2; exit 3"
+        ),
+        hook("missing", "createRuntime", "/nonexistent/hook", "true"),
+        hook(
+            "start-fails",
+            "startContainer",
+            "/bin/sh",
+            "echo start hook broke >&2; exit 4"
+        ),
+        hook("start-ok", "startContainer", "/bin/sh", "cat > /dev/null"),
+    ) + &hook(
+        "poststart-fails",
+        "poststart",
+        "/bin/sh",
+        "echo late >&2; exit 5",
+    );
+    cdi.write("etc", "hooks.yaml", &text);
+    let spec_file = cdi.path("etc/hooks.yaml");
+    let Some((_reg, h)) = setup(&cdi).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("cdi-hooks", &logs.path().join("p"));
+    let pod = run_pod(&mut rt, &cfg).await;
+    let cc = |name: &str, dev: &str| {
+        with_cdi(
+            container_config(name, &["sleep", "60"]),
+            &[&format!("hako.test/hooks={dev}")],
+        )
+    };
+
+    let e = create(&mut rt, &pod, &cfg, cc("a", "exits"))
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains(&format!(
+            "createContainer hook /bin/sh of CDI device hako.test/hooks=exits (spec {spec_file}) exited with status 3; stderr: the hook broke"
+        )),
+        "{e:?}"
+    );
+    let e = create(&mut rt, &pod, &cfg, cc("b", "missing"))
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains(&format!(
+            "createRuntime hook /nonexistent/hook of CDI device hako.test/hooks=missing (spec {spec_file}) could not be run: No such file or directory"
+        )),
+        "{e:?}"
+    );
+
+    let id = create(&mut rt, &pod, &cfg, cc("c", "start-fails"))
+        .await
+        .unwrap();
+    let e = rt
+        .start_container(cri::StartContainerRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains(&format!(
+            "startContainer hook failed: startContainer hook /bin/sh of CDI device hako.test/hooks=start-fails (spec {spec_file})"
+        )) && e.message().contains("exited with status 255"),
+        "{e:?}"
+    );
+    // A startContainer hook that succeeds: the start does too, and the process runs.
+    let id = create(&mut rt, &pod, &cfg, cc("d", "start-ok"))
+        .await
+        .unwrap();
+    rt.start_container(cri::StartContainerRequest {
+        container_id: id.clone(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(exec(&mut rt, &id, "echo up").await, "up");
+    // A failing poststart hook fails the start, named.
+    let id = create(&mut rt, &pod, &cfg, cc("e", "poststart-fails"))
+        .await
+        .unwrap();
+    let e = rt
+        .start_container(cri::StartContainerRequest {
+            container_id: id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains(&format!(
+            "poststart hook /bin/sh of CDI device hako.test/hooks=poststart-fails (spec {spec_file}) exited with status 5; stderr: late"
+        )),
+        "{e:?}"
+    );
+
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

@@ -2,8 +2,12 @@
 //! device names (`vendor.com/class=name`) resolved against them, and their container edits
 //! applied to a container's OCI spec (as JSON, before it is typed).
 //!
-//! Spec files are JSON or YAML, `cdiVersion` 0.3.0 to 1.0.x. A file is parsed again whenever
-//! its size, mtime or inode changes, so the next container sees a spec that was added, changed
+//! Spec files are read as upstream's Go library (`tags.cncf.io/container-device-interface`,
+//! v1.1.0) reads them: JSON, or YAML as Go's YAML 1.1 parser reads it (unquoted `0640` is
+//! octal), field names matched as Go's `encoding/json` matches them (case-insensitively, so
+//! `additionalGids` and `additionalGIDs` are one field), `cdiVersion` 0.3.0 to 1.1.0 with
+//! each field allowed from the version that added it. A file is parsed again whenever its
+//! size, mtime or inode changes, so the next container sees a spec that was added, changed
 //! or removed, without a restart. A broken file makes only its own devices unavailable; it is
 //! logged once per version of the file and listed by [`Registry::report`].
 
@@ -13,14 +17,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use crate::spec::{device_node, device_rule, Device};
 
-/// The CDI versions this implementation reads.
+/// Every `cdiVersion` upstream knows, oldest first. 0.1.0 and 0.2.0 are known but upstream
+/// requires at least [`EARLIEST`] of every spec, so they are refused with that reason.
 const VERSIONS: &[&str] = &[
-    "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0",
+    "0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0",
 ];
+const EARLIEST: &str = "0.3.0";
 
 const HOOK_STAGES: &[&str] = &[
     "prestart",
@@ -34,6 +40,7 @@ const HOOK_STAGES: &[&str] = &[
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DeviceNode {
+    #[serde(default)]
     pub path: String,
     #[serde(default)]
     pub host_path: Option<String>,
@@ -56,7 +63,9 @@ pub struct DeviceNode {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MountEdit {
+    #[serde(default)]
     pub host_path: String,
+    #[serde(default)]
     pub container_path: String,
     #[serde(default, rename = "type")]
     pub kind: Option<String>,
@@ -67,7 +76,9 @@ pub struct MountEdit {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Hook {
+    #[serde(default)]
     pub hook_name: String,
+    #[serde(default)]
     pub path: String,
     #[serde(default)]
     pub args: Vec<String>,
@@ -86,16 +97,20 @@ pub struct IntelRdt {
     pub l3_cache_schema: Option<String>,
     #[serde(default)]
     pub mem_bw_schema: Option<String>,
-    #[serde(default, rename = "enableCMT")]
-    pub enable_cmt: Option<bool>,
-    #[serde(default, rename = "enableMBM")]
-    pub enable_mbm: Option<bool>,
+    /// From cdiVersion 1.1.0.
+    #[serde(default)]
+    pub schemata: Option<Vec<String>>,
+    /// From cdiVersion 1.1.0.
+    #[serde(default)]
+    pub enable_monitoring: Option<bool>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NetDevice {
+    #[serde(default)]
     pub host_interface_name: String,
+    #[serde(default)]
     pub name: String,
 }
 
@@ -111,7 +126,7 @@ pub struct Edits {
     pub mounts: Vec<MountEdit>,
     #[serde(default)]
     pub hooks: Vec<Hook>,
-    #[serde(default, rename = "additionalGIDs")]
+    #[serde(default)]
     pub additional_gids: Vec<u32>,
     #[serde(default)]
     pub intel_rdt: Option<IntelRdt>,
@@ -128,49 +143,313 @@ impl Edits {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DeviceSpec {
+    #[serde(default)]
     pub name: String,
     #[serde(default)]
     pub annotations: BTreeMap<String, String>,
+    #[serde(default)]
     pub container_edits: Edits,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Spec {
+    #[serde(default)]
     pub cdi_version: String,
+    #[serde(default)]
     pub kind: String,
     #[serde(default)]
     pub annotations: BTreeMap<String, String>,
+    #[serde(default)]
     pub devices: Vec<DeviceSpec>,
     #[serde(default)]
     pub container_edits: Edits,
 }
 
-fn vendor_ok(s: &str) -> bool {
+/// The objects of a spec file, for [`normalise`].
+#[derive(Clone, Copy)]
+enum Obj {
+    Spec,
+    Device,
+    Edits,
+    Node,
+    Mount,
+    Hook,
+    Rdt,
+    Net,
+}
+
+/// A field's type as upstream's Go types declare it.
+#[derive(Clone, Copy)]
+enum Ty {
+    Str,
+    Strs,
+    U32,
+    U32s,
+    I64,
+    Bool,
+    StrMap,
+    One(Obj),
+    Many(Obj),
+}
+
+/// Field names and types exactly as upstream's `specs-go` spells them in its JSON tags.
+fn fields(o: Obj) -> &'static [(&'static str, Ty)] {
+    use Ty::*;
+    match o {
+        Obj::Spec => &[
+            ("cdiVersion", Str),
+            ("kind", Str),
+            ("annotations", StrMap),
+            ("devices", Many(Obj::Device)),
+            ("containerEdits", One(Obj::Edits)),
+        ],
+        Obj::Device => &[
+            ("name", Str),
+            ("annotations", StrMap),
+            ("containerEdits", One(Obj::Edits)),
+        ],
+        Obj::Edits => &[
+            ("env", Strs),
+            ("deviceNodes", Many(Obj::Node)),
+            ("netDevices", Many(Obj::Net)),
+            ("hooks", Many(Obj::Hook)),
+            ("mounts", Many(Obj::Mount)),
+            ("intelRdt", One(Obj::Rdt)),
+            ("additionalGids", U32s),
+        ],
+        Obj::Node => &[
+            ("path", Str),
+            ("hostPath", Str),
+            ("type", Str),
+            ("major", I64),
+            ("minor", I64),
+            ("fileMode", U32),
+            ("permissions", Str),
+            ("uid", U32),
+            ("gid", U32),
+        ],
+        Obj::Mount => &[
+            ("hostPath", Str),
+            ("containerPath", Str),
+            ("options", Strs),
+            ("type", Str),
+        ],
+        Obj::Hook => &[
+            ("hookName", Str),
+            ("path", Str),
+            ("args", Strs),
+            ("env", Strs),
+            ("timeout", I64),
+        ],
+        Obj::Rdt => &[
+            ("closID", Str),
+            ("l3CacheSchema", Str),
+            ("memBwSchema", Str),
+            ("schemata", Strs),
+            ("enableMonitoring", Bool),
+        ],
+        Obj::Net => &[("hostInterfaceName", Str), ("name", Str)],
+    }
+}
+
+fn describe(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => format!("boolean {b}"),
+        Value::Number(n) => format!("number {n}"),
+        Value::String(s) => format!("string {s:?}"),
+        Value::Array(_) => "a list".into(),
+        Value::Object(_) => "a map".into(),
+    }
+}
+
+/// An integer as Go's YAML 1.1 parser reads an unquoted scalar: underscores ignored, `0x`,
+/// `0o`, `0b` and a leading `0` (octal) prefixes, a sign; all-digit text that is not valid
+/// octal (`0680`) is read as a decimal number, as go-yaml falls back to a float for it.
+fn go_yaml_int(s: &str) -> Option<i128> {
+    let plain: String = s.chars().filter(|c| *c != '_').collect();
+    let (neg, body) = match plain.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, plain.strip_prefix('+').unwrap_or(&plain)),
+    };
+    let lower = body.to_ascii_lowercase();
+    let radix = |digits: &str, r: u32| -> Option<i128> {
+        // from_str_radix would take a sign of its own.
+        if digits.is_empty() || !digits.chars().all(|c| c.is_digit(r)) {
+            return None;
+        }
+        i128::from_str_radix(digits, r).ok()
+    };
+    let n = if let Some(h) = lower.strip_prefix("0x") {
+        radix(h, 16)
+    } else if let Some(o) = lower.strip_prefix("0o") {
+        radix(o, 8)
+    } else if let Some(b) = lower.strip_prefix("0b") {
+        radix(b, 2)
+    } else if lower.len() > 1 && lower.starts_with('0') {
+        radix(&lower[1..], 8).or_else(|| radix(&lower, 10))
+    } else {
+        radix(&lower, 10)
+    }?;
+    Some(if neg { -n } else { n })
+}
+
+/// A boolean as Go's YAML 1.1 parser reads an unquoted scalar.
+fn go_yaml_bool(s: &str) -> Option<bool> {
+    match s {
+        "y" | "Y" | "yes" | "Yes" | "YES" | "on" | "On" | "ON" | "true" | "True" | "TRUE" => {
+            Some(true)
+        }
+        "n" | "N" | "no" | "No" | "NO" | "off" | "Off" | "OFF" | "false" | "False" | "FALSE" => {
+            Some(false)
+        }
+        _ => None,
+    }
+}
+
+fn int_in(v: &Value, yaml: bool, min: i128, max: i128, at: &str) -> Result<Value, String> {
+    let n = match v {
+        Value::Number(n) => n
+            .as_i64()
+            .map(i128::from)
+            .or_else(|| n.as_u64().map(i128::from)),
+        // serde_yaml reads YAML 1.2: what Go's YAML 1.1 reads as a number (0640) arrives here
+        // as text.
+        Value::String(s) if yaml => go_yaml_int(s),
+        _ => None,
+    };
+    match n {
+        Some(n) if (min..=max).contains(&n) => Ok(json!(n as i64)),
+        Some(n) => Err(format!("{at}: {n} is out of range ({min} to {max})")),
+        None => Err(format!("{at}: expected an integer, found {}", describe(v))),
+    }
+}
+
+fn scalar(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
+    match ty {
+        Ty::Str => match v {
+            Value::String(_) => Ok(v),
+            // Go's YAML reader turns a number or boolean into text where a string is wanted.
+            Value::Number(n) if yaml => Ok(Value::String(n.to_string())),
+            Value::Bool(b) if yaml => Ok(Value::String(b.to_string())),
+            other => Err(format!(
+                "{at}: expected a string, found {}",
+                describe(&other)
+            )),
+        },
+        Ty::U32 => int_in(&v, yaml, 0, u32::MAX.into(), at),
+        Ty::I64 => int_in(&v, yaml, i64::MIN.into(), i64::MAX.into(), at),
+        Ty::Bool => match &v {
+            Value::Bool(_) => Ok(v),
+            Value::String(s) if yaml => go_yaml_bool(s)
+                .map(Value::Bool)
+                .ok_or_else(|| format!("{at}: expected true or false, found {}", describe(&v))),
+            other => Err(format!(
+                "{at}: expected true or false, found {}",
+                describe(other)
+            )),
+        },
+        _ => unreachable!("not a scalar type"),
+    }
+}
+
+/// Checks a parsed document against upstream's types and rewrites it with their exact field
+/// names, so that serde reads it as Go would: keys matched case-insensitively, nulls as
+/// absent, YAML scalars read with YAML 1.1's rules. Errors name the field by its path.
+fn normalise(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
+    let list = |v: Value, each: Ty| -> Result<Value, String> {
+        match v {
+            Value::Array(items) => items
+                .into_iter()
+                .enumerate()
+                .filter(|(_, x)| !x.is_null() || !matches!(each, Ty::One(_)))
+                .map(|(i, x)| normalise(x, each, yaml, &format!("{at}[{i}]")))
+                .collect::<Result<Vec<_>, _>>()
+                .map(Value::Array),
+            other => Err(format!("{at}: expected a list, found {}", describe(&other))),
+        }
+    };
+    match ty {
+        Ty::Strs => list(v, Ty::Str),
+        Ty::U32s => list(v, Ty::U32),
+        Ty::Many(o) => list(v, Ty::One(o)),
+        Ty::StrMap => match v {
+            Value::Object(m) => m
+                .into_iter()
+                .map(|(k, x)| {
+                    let x = if x.is_null() { json!("") } else { x };
+                    scalar(x, Ty::Str, yaml, &format!("{at}.{k}")).map(|x| (k, x))
+                })
+                .collect::<Result<Map<_, _>, _>>()
+                .map(Value::Object),
+            other => Err(format!("{at}: expected a map, found {}", describe(&other))),
+        },
+        Ty::One(o) => {
+            let Value::Object(m) = v else {
+                return Err(format!("{at}: expected a map, found {}", describe(&v)));
+            };
+            let known = fields(o);
+            let mut out = Map::new();
+            for (k, x) in m {
+                // encoding/json: an exact match first, else one that differs only in case.
+                let Some((name, fty)) = known
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .or_else(|| known.iter().find(|(n, _)| n.eq_ignore_ascii_case(&k)))
+                else {
+                    let place = if at.is_empty() { "spec" } else { at };
+                    return Err(format!("{place}: unknown field {k:?}"));
+                };
+                if x.is_null() {
+                    continue;
+                }
+                let here = if at.is_empty() {
+                    name.to_string()
+                } else {
+                    format!("{at}.{name}")
+                };
+                let x = match fty {
+                    Ty::Str | Ty::U32 | Ty::I64 | Ty::Bool => scalar(x, *fty, yaml, &here)?,
+                    _ => normalise(x, *fty, yaml, &here)?,
+                };
+                out.insert(name.to_string(), x);
+            }
+            Ok(Value::Object(out))
+        }
+        Ty::Str | Ty::U32 | Ty::I64 | Ty::Bool => scalar(v, ty, yaml, at),
+    }
+}
+
+fn alnum(c: u8) -> bool {
+    c.is_ascii_alphanumeric()
+}
+
+/// Upstream's vendor and class rule: a letter first, a letter or digit last, `_ - .` between.
+fn vendor_or_class_ok(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+        && b[0].is_ascii_alphabetic()
+        && alnum(b[b.len() - 1])
+        && b.iter()
+            .all(|c| alnum(*c) || matches!(c, b'.' | b'-' | b'_'))
+}
+
+fn vendor_ok(s: &str) -> bool {
+    vendor_or_class_ok(s)
 }
 
 fn class_ok(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
+    vendor_or_class_ok(s)
 }
 
 fn name_ok(s: &str) -> bool {
     let b = s.as_bytes();
     !b.is_empty()
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':'))
+        && alnum(b[0])
+        && alnum(b[b.len() - 1])
+        && b.iter()
+            .all(|c| alnum(*c) || matches!(c, b'-' | b'_' | b'.' | b':'))
 }
 
 /// Splits `vendor.com/class=name` into (kind, name).
@@ -194,132 +473,264 @@ pub fn parse_qualified(name: &str) -> Result<(String, String), String> {
 }
 
 fn version_index(v: &str) -> Option<usize> {
-    // 1.0.x patch releases are 1.0.0 to us.
-    let v = if v.starts_with("1.0.") { "1.0.0" } else { v };
+    // Upstream reads "v1.1.0" as 1.1.0; patch releases it does not list are unknown to it.
+    let v = v.strip_prefix('v').unwrap_or(v);
     VERSIONS.iter().position(|x| *x == v)
 }
 
-fn check_edits(e: &Edits, version: usize, at: &str) -> Result<(), String> {
-    let need = |min: &str, what: &str| -> Result<(), String> {
-        if version < version_index(min).expect("known version") {
-            Err(format!("{at}: {what} needs cdiVersion {min} or later"))
-        } else {
-            Ok(())
+/// The version a field needs, for the error: (version, what) pairs, newest wins.
+struct Needs<'a> {
+    need: Option<(usize, String)>,
+    at: &'a str,
+}
+
+impl Needs<'_> {
+    fn field(&mut self, min: &str, what: &str) {
+        let i = version_index(min).expect("known version");
+        if self.need.as_ref().is_none_or(|(n, _)| i > *n) {
+            let place = if self.at.is_empty() {
+                what.to_string()
+            } else {
+                format!("{}.{what}", self.at)
+            };
+            self.need = Some((i, place));
         }
-    };
-    for v in &e.env {
-        if !v.contains('=') || v.starts_with('=') {
-            return Err(format!("{at}: env entry {v:?} is not NAME=value"));
+    }
+}
+
+/// The newest cdiVersion the edits' fields need, with the field that needs it, by upstream's
+/// rules (specs-go's `requiresV*`).
+fn edits_need(e: &Edits, at: &str) -> Option<(usize, String)> {
+    let mut n = Needs { need: None, at };
+    for (i, m) in e.mounts.iter().enumerate() {
+        if m.kind.as_deref().is_some_and(|k| !k.is_empty()) {
+            n.field("0.4.0", &format!("mounts[{i}].type"));
         }
     }
     for (i, d) in e.device_nodes.iter().enumerate() {
-        if !d.path.starts_with('/') {
+        if d.host_path.as_deref().is_some_and(|p| !p.is_empty()) {
+            n.field("0.5.0", &format!("deviceNodes[{i}].hostPath"));
+        }
+    }
+    if !e.additional_gids.is_empty() {
+        n.field("0.7.0", "additionalGids");
+    }
+    if let Some(r) = &e.intel_rdt {
+        n.field("0.7.0", "intelRdt");
+        if r.schemata.is_some() {
+            n.field("1.1.0", "intelRdt.schemata");
+        }
+        if r.enable_monitoring == Some(true) {
+            n.field("1.1.0", "intelRdt.enableMonitoring");
+        }
+    }
+    if !e.net_devices.is_empty() {
+        n.field("1.1.0", "netDevices");
+    }
+    n.need
+}
+
+fn env_ok(v: &str) -> bool {
+    v.find('=').is_some_and(|i| i > 0)
+}
+
+fn check_edits(e: &Edits, at: &str) -> Result<(), String> {
+    let at = |what: String| {
+        if at.is_empty() {
+            what
+        } else {
+            format!("{at}.{what}")
+        }
+    };
+    for (i, v) in e.env.iter().enumerate() {
+        if !env_ok(v) {
             return Err(format!(
-                "{at}: deviceNodes[{i}] path {:?} is not absolute",
-                d.path
+                "{}: {v:?} is not NAME=value",
+                at(format!("env[{i}]"))
             ));
         }
-        if d.host_path.is_some() {
-            need("0.5.0", "deviceNodes hostPath")?;
+    }
+    for (i, d) in e.device_nodes.iter().enumerate() {
+        let here = at(format!("deviceNodes[{i}]"));
+        if !d.path.starts_with('/') {
+            return Err(format!("{here}.path: {:?} is not an absolute path", d.path));
         }
-        if let Some(k) = &d.kind {
-            if !matches!(k.as_str(), "b" | "c" | "u" | "p") {
-                return Err(format!("{at}: deviceNodes[{i}] type {k:?} (b, c, u or p)"));
+        if let Some(k) = d.kind.as_deref().filter(|k| !k.is_empty()) {
+            if !matches!(k, "b" | "c" | "u" | "p") {
+                return Err(format!("{here}.type: {k:?} is not b, c, u or p"));
             }
         }
         if let Some(p) = &d.permissions {
-            if p.is_empty() || !p.chars().all(|c| "rwm".contains(c)) {
+            if !p.chars().all(|c| "rwm".contains(c)) {
                 return Err(format!(
-                    "{at}: deviceNodes[{i}] permissions {p:?} (r, w, m)"
+                    "{here}.permissions: {p:?} is not made of r, w and m"
                 ));
             }
         }
     }
     for (i, m) in e.mounts.iter().enumerate() {
-        if m.host_path.is_empty() || !m.container_path.starts_with('/') {
-            return Err(format!(
-                "{at}: mounts[{i}] needs a hostPath and an absolute containerPath"
-            ));
+        let here = at(format!("mounts[{i}]"));
+        if m.host_path.is_empty() {
+            return Err(format!("{here}.hostPath: missing"));
         }
-        if m.kind.is_some() {
-            need("0.4.0", "mount type")?;
+        if !m.container_path.starts_with('/') {
+            return Err(format!(
+                "{here}.containerPath: {:?} is not an absolute path",
+                m.container_path
+            ));
         }
     }
     for (i, h) in e.hooks.iter().enumerate() {
+        let here = at(format!("hooks[{i}]"));
         if !HOOK_STAGES.contains(&h.hook_name.as_str()) {
             return Err(format!(
-                "{at}: hooks[{i}] hookName {:?} is not an OCI hook",
-                h.hook_name
+                "{here}.hookName: {:?} is not an OCI hook ({})",
+                h.hook_name,
+                HOOK_STAGES.join(", ")
             ));
         }
         if !h.path.starts_with('/') {
+            return Err(format!("{here}.path: {:?} is not an absolute path", h.path));
+        }
+        if let Some((j, v)) = h.env.iter().enumerate().find(|(_, v)| !env_ok(v)) {
+            return Err(format!("{here}.env[{j}]: {v:?} is not NAME=value"));
+        }
+    }
+    if let Some(c) = e.intel_rdt.as_ref().and_then(|r| r.clos_id.as_deref()) {
+        if c != "/" && (c.len() >= 4096 || c == "." || c == ".." || c.contains(['/', '\n'])) {
             return Err(format!(
-                "{at}: hooks[{i}] path {:?} is not absolute",
-                h.path
+                "{}: {c:?} is not a valid CLOS name",
+                at("intelRdt.closID".into())
             ));
         }
     }
-    if !e.additional_gids.is_empty() {
-        need("0.7.0", "additionalGIDs")?;
-    }
-    if e.intel_rdt.is_some() {
-        need("0.7.0", "intelRdt")?;
-    }
-    if !e.net_devices.is_empty() {
-        need("1.0.0", "netDevices")?;
+    let (mut hosts, mut names) = (Vec::new(), Vec::new());
+    for (i, n) in e.net_devices.iter().enumerate() {
+        let here = at(format!("netDevices[{i}]"));
+        if n.host_interface_name.is_empty() {
+            return Err(format!("{here}.hostInterfaceName: missing"));
+        }
+        if n.name.is_empty() {
+            return Err(format!("{here}.name: missing"));
+        }
+        if hosts.contains(&&n.host_interface_name) || names.contains(&&n.name) {
+            return Err(format!("{here}: interface given twice"));
+        }
+        hosts.push(&n.host_interface_name);
+        names.push(&n.name);
     }
     Ok(())
 }
 
-/// Parses and validates one spec file's text.
+/// Parses and validates one spec file's text. Errors name the field (`devices[0].name`).
 pub fn parse_spec(path: &Path, text: &str) -> Result<Spec, String> {
     let yaml = matches!(
         path.extension().and_then(|e| e.to_str()),
         Some("yaml" | "yml")
     );
-    let spec: Spec = if yaml {
-        serde_yaml::from_str(text).map_err(|e| e.to_string())?
+    if text.trim().is_empty() {
+        return Err("the file is empty (no cdiVersion, kind or devices)".into());
+    }
+    // Go's sigs.k8s.io/yaml reads JSON files as YAML too; JSON is parsed strictly here so
+    // that its errors keep JSON's line and column.
+    let doc: Value = if yaml {
+        let y: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
+        serde_json::to_value(y).map_err(|e| e.to_string())?
     } else {
         serde_json::from_str(text).map_err(|e| e.to_string())?
     };
+    let doc = normalise(doc, Ty::One(Obj::Spec), yaml, "")?;
+    let spec: Spec = serde_json::from_value(doc).map_err(|e| e.to_string())?;
+
+    if spec.cdi_version.is_empty() {
+        return Err("cdiVersion: missing".into());
+    }
     let version = version_index(&spec.cdi_version).ok_or_else(|| {
         format!(
-            "cdiVersion {:?} is not supported (0.3.0 to 1.0.x)",
-            spec.cdi_version
+            "cdiVersion: {:?} is not a CDI version ({} to {})",
+            spec.cdi_version,
+            EARLIEST,
+            VERSIONS[VERSIONS.len() - 1]
         )
     })?;
     let (vendor, class) = spec
         .kind
         .split_once('/')
-        .ok_or_else(|| format!("kind {:?} is not vendor/class", spec.kind))?;
-    if !vendor_ok(vendor) || !class_ok(class) {
-        return Err(format!("kind {:?} is not a valid vendor/class", spec.kind));
+        .ok_or_else(|| format!("kind: {:?} is not vendor/class", spec.kind))?;
+    if !vendor_ok(vendor) {
+        return Err(format!(
+            "kind: invalid vendor {vendor:?} (a letter first, then letters, digits, '.', '-' or '_', ending in a letter or digit)"
+        ));
     }
-    if !spec.annotations.is_empty() && version < version_index("0.6.0").expect("known") {
-        return Err("annotations need cdiVersion 0.6.0 or later".into());
+    if !class_ok(class) {
+        return Err(format!(
+            "kind: invalid class {class:?} (a letter first, then letters, digits, '.', '-' or '_', ending in a letter or digit)"
+        ));
     }
-    if spec.devices.is_empty() {
-        return Err("no devices".into());
+
+    // The version the spec's contents need, by upstream's rules; 0.3.0 at the least.
+    let mut need = Needs {
+        need: Some((version_index(EARLIEST).expect("known"), "every spec".into())),
+        at: "",
+    };
+    if !spec.annotations.is_empty() {
+        need.field("0.6.0", "annotations");
     }
-    check_edits(&spec.container_edits, version, "containerEdits")?;
+    if class.contains('.') {
+        need.field("0.6.0", "kind (a '.' in the class)");
+    }
+    let mut needs = vec![
+        need.need,
+        edits_need(&spec.container_edits, "containerEdits"),
+    ];
+    for (i, d) in spec.devices.iter().enumerate() {
+        let mut n = Needs { need: None, at: "" };
+        if d.name.starts_with(|c: char| c.is_ascii_digit()) {
+            n.field("0.5.0", &format!("devices[{i}].name (a digit first)"));
+        }
+        if !d.annotations.is_empty() {
+            n.field("0.6.0", &format!("devices[{i}].annotations"));
+        }
+        needs.push(n.need);
+        needs.push(edits_need(
+            &d.container_edits,
+            &format!("devices[{i}].containerEdits"),
+        ));
+    }
+    if let Some((min, what)) = needs.into_iter().flatten().max_by_key(|(i, _)| *i) {
+        if min > version {
+            return Err(format!(
+                "cdiVersion: {} is too old: {what} needs cdiVersion {} or later",
+                spec.cdi_version, VERSIONS[min]
+            ));
+        }
+    }
+
+    check_edits(&spec.container_edits, "containerEdits")?;
     let mut seen = std::collections::HashSet::new();
-    for d in &spec.devices {
+    for (i, d) in spec.devices.iter().enumerate() {
         if !name_ok(&d.name) {
-            return Err(format!("invalid device name {:?}", d.name));
+            return Err(format!(
+                "devices[{i}].name: invalid device name {:?} (a letter or digit first and last, letters, digits, '-', '_', '.' or ':' between)",
+                d.name
+            ));
         }
         if !seen.insert(d.name.as_str()) {
-            return Err(format!("device {:?} is defined twice", d.name));
-        }
-        if !d.annotations.is_empty() && version < version_index("0.6.0").expect("known") {
             return Err(format!(
-                "device {:?}: annotations need cdiVersion 0.6.0",
+                "devices[{i}].name: device {:?} is defined twice",
                 d.name
             ));
         }
         if d.container_edits.is_empty() {
-            return Err(format!("device {:?} has no containerEdits", d.name));
+            return Err(format!(
+                "devices[{i}].containerEdits: device {:?} has no edits",
+                d.name
+            ));
         }
-        check_edits(&d.container_edits, version, &format!("device {:?}", d.name))?;
+        check_edits(&d.container_edits, &format!("devices[{i}].containerEdits"))?;
+    }
+    if spec.devices.is_empty() {
+        return Err("devices: the spec defines no devices".into());
     }
     Ok(spec)
 }
@@ -366,6 +777,9 @@ pub struct Registry {
 pub struct Resolved {
     /// (spec file, edits): spec-level edits once per spec, then each device's.
     pub edits: Vec<(PathBuf, Edits)>,
+    /// For each of `edits`, the device it is for (`vendor.com/class=name`; spec-level edits
+    /// say so), to name it in errors.
+    pub devices: Vec<String>,
 }
 
 fn kind_hint(text: &str) -> Option<String> {
@@ -527,7 +941,17 @@ impl Registry {
                 return Err(CdiError::NotFound(msg));
             }
             let top = found.iter().map(|f| f.0).max().expect("not empty");
+            let shadowed: Vec<String> = found
+                .iter()
+                .filter(|f| f.0 != top)
+                .map(|f| f.1.display().to_string())
+                .collect();
             found.retain(|f| f.0 == top);
+            if !shadowed.is_empty() && found.len() == 1 {
+                // A later directory overrides an earlier one (/var/run/cdi over /etc/cdi):
+                // say which definition is used, since the other is silently not.
+                tracing::info!(device = %name, used = %found[0].1.display(), overridden = %shadowed.join(", "), "CDI device defined in several spec directories; the later directory wins");
+            }
             if found.len() > 1 {
                 let mut files: Vec<String> =
                     found.iter().map(|f| f.1.display().to_string()).collect();
@@ -542,10 +966,12 @@ impl Registry {
                 spec_done.push(path.clone());
                 if !spec.container_edits.is_empty() {
                     out.edits.push((path.clone(), spec.container_edits.clone()));
+                    out.devices.push(format!("{name} (spec-wide edits)"));
                 }
             }
             out.edits
                 .push((path.clone(), device.container_edits.clone()));
+            out.devices.push(name.clone());
         }
         Ok(out)
     }
@@ -559,14 +985,98 @@ fn push_unique(list: &mut Value, item: Value, key: &str) {
 
 /// Applies resolved edits to an OCI spec (JSON as `spec::generate_json` makes it). Errors name
 /// the spec file.
+///
+/// Hooks that run in the runtime's namespaces (all but startContainer, which runs inside the
+/// container after pivot_root, where no hako binary is) are run through `hako cdi-hook`
+/// (this executable), which records a failure with the hook, device and spec; every CDI hook
+/// is also listed in the [`HOOKS_ANNOTATION`] annotation.
 pub fn apply(spec: &mut Value, resolved: &Resolved) -> Result<(), String> {
-    for (file, e) in &resolved.edits {
-        apply_one(spec, e).map_err(|m| format!("CDI spec {}: {m}", file.display()))?;
+    let wrapper = std::env::current_exe().ok();
+    let mut origins = Vec::new();
+    for (i, (file, e)) in resolved.edits.iter().enumerate() {
+        let device = resolved.devices.get(i).map(String::as_str).unwrap_or("?");
+        apply_one(spec, e, file, device, wrapper.as_deref(), &mut origins)
+            .map_err(|m| format!("CDI spec {}: {m}", file.display()))?;
+    }
+    if !origins.is_empty() {
+        if !spec["annotations"].is_object() {
+            spec["annotations"] = json!({});
+        }
+        spec["annotations"][HOOKS_ANNOTATION] =
+            json!(serde_json::to_string(&origins).expect("serialisable"));
     }
     Ok(())
 }
 
-fn apply_one(spec: &mut Value, e: &Edits) -> Result<(), String> {
+/// Mount options runc and libcontainer turn into mount flags; any other option is passed to
+/// mount(2) as data, which the kernel ignores for a bind mount.
+const MOUNT_FLAGS: &[&str] = &[
+    "defaults",
+    "ro",
+    "rw",
+    "suid",
+    "nosuid",
+    "dev",
+    "nodev",
+    "exec",
+    "noexec",
+    "sync",
+    "async",
+    "dirsync",
+    "remount",
+    "mand",
+    "nomand",
+    "atime",
+    "noatime",
+    "diratime",
+    "nodiratime",
+    "bind",
+    "rbind",
+    "unbindable",
+    "runbindable",
+    "private",
+    "rprivate",
+    "shared",
+    "rshared",
+    "slave",
+    "rslave",
+    "relatime",
+    "norelatime",
+    "strictatime",
+    "nostrictatime",
+    "rro",
+    "rrw",
+    "rnosuid",
+    "rsuid",
+    "rnodev",
+    "rdev",
+    "rnoexec",
+    "rexec",
+    "rnodiratime",
+    "rdiratime",
+    "rrelatime",
+    "rnorelatime",
+    "rnoatime",
+    "ratime",
+    "rstrictatime",
+    "rnostrictatime",
+    "rnosymfollow",
+    "rsymfollow",
+    "nosymfollow",
+    "symfollow",
+    "idmap",
+    "ridmap",
+    "tmpcopyup",
+];
+
+fn apply_one(
+    spec: &mut Value,
+    e: &Edits,
+    file: &Path,
+    device: &str,
+    wrapper: Option<&Path>,
+    origins: &mut Vec<HookOrigin>,
+) -> Result<(), String> {
     if !e.net_devices.is_empty() {
         return Err("netDevices edits are not supported by hako's executor".into());
     }
@@ -631,6 +1141,18 @@ fn apply_one(spec: &mut Value, e: &Edits) -> Result<(), String> {
     for m in &e.mounts {
         let mut options = m.options.clone();
         let kind = m.kind.clone().unwrap_or_else(|| "bind".into());
+        // As runc does, an option that is no mount flag goes to mount(2) as data (tmpfs's
+        // size=, mode=); for a bind mount the kernel ignores data, so say so rather than let
+        // the option vanish.
+        let data: Vec<&str> = options
+            .iter()
+            .map(String::as_str)
+            .filter(|o| !MOUNT_FLAGS.contains(o))
+            .collect();
+        let bind = kind == "bind" || options.iter().any(|o| o == "bind" || o == "rbind");
+        if bind && !data.is_empty() {
+            tracing::warn!(spec = %file.display(), device, mount = %m.container_path, options = ?data, "CDI bind mount options that are not mount flags are passed as mount data, which the kernel ignores for bind mounts");
+        }
         if kind == "bind" && !options.iter().any(|o| o == "bind" || o == "rbind") {
             options.push("rbind".into());
         }
@@ -641,9 +1163,30 @@ fn apply_one(spec: &mut Value, e: &Edits) -> Result<(), String> {
         );
     }
     for h in &e.hooks {
+        origins.push(HookOrigin {
+            hook: h.hook_name.clone(),
+            path: h.path.clone(),
+            device: device.to_string(),
+            spec: file.display().to_string(),
+        });
         let mut hook = json!({"path": h.path});
         if !h.args.is_empty() {
             hook["args"] = json!(h.args);
+        }
+        if let Some(exe) = wrapper.filter(|_| h.hook_name != "startContainer") {
+            let mut args = vec![
+                "hako".to_string(),
+                "cdi-hook".into(),
+                h.hook_name.clone(),
+                device.to_string(),
+                file.display().to_string(),
+                h.path.clone(),
+            ];
+            if h.args.is_empty() {
+                args.push(h.path.clone());
+            }
+            args.extend(h.args.iter().cloned());
+            hook = json!({"path": exe, "args": args});
         }
         if !h.env.is_empty() {
             hook["env"] = json!(h.env);
@@ -689,15 +1232,244 @@ fn apply_one(spec: &mut Value, e: &Edits) -> Result<(), String> {
         if let Some(x) = &rdt.mem_bw_schema {
             v["memBwSchema"] = json!(x);
         }
-        if let Some(x) = rdt.enable_cmt {
-            v["enableCMT"] = json!(x);
+        if let Some(x) = &rdt.schemata {
+            v["schemata"] = json!(x);
         }
-        if let Some(x) = rdt.enable_mbm {
-            v["enableMBM"] = json!(x);
+        if let Some(x) = rdt.enable_monitoring {
+            v["enableMonitoring"] = json!(x);
         }
         spec["linux"]["intelRdt"] = v;
     }
     Ok(())
+}
+
+/// The OCI annotation listing where each CDI hook of a container came from, for the monitor
+/// to name a failing one.
+pub const HOOKS_ANNOTATION: &str = "io.hako.cdi.hooks";
+/// The file in a container's bundle where `hako cdi-hook` records the hook it is running and,
+/// when that hook fails, how.
+pub const HOOK_REPORT: &str = "cdi-hook.json";
+/// How much of a failing hook's stderr its error quotes.
+const STDERR_QUOTED: usize = 512;
+
+/// One CDI hook: the OCI hook name, its own path, and the device and spec file it came from.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
+pub struct HookOrigin {
+    pub hook: String,
+    pub path: String,
+    pub device: String,
+    pub spec: String,
+}
+
+/// A CDI hook that is running or failed, as `hako cdi-hook` records it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, Deserialize)]
+pub struct HookReport {
+    #[serde(flatten)]
+    pub origin: HookOrigin,
+    /// How it ended ("exited with status 3"), or that it did not.
+    pub status: String,
+    /// The start of its stderr.
+    #[serde(default)]
+    pub stderr: String,
+}
+
+impl HookOrigin {
+    pub fn describe(&self) -> String {
+        format!(
+            "{} hook {} of CDI device {} (spec {})",
+            self.hook, self.path, self.device, self.spec
+        )
+    }
+}
+
+impl HookReport {
+    pub fn describe(&self) -> String {
+        let mut m = format!("{} {}", self.origin.describe(), self.status);
+        if !self.stderr.is_empty() {
+            m.push_str(&format!("; stderr: {}", self.stderr));
+        }
+        m
+    }
+
+    /// The report a failed create left in `bundle`, taken (removed) so it is read once.
+    pub fn take(bundle: &Path) -> Option<HookReport> {
+        let p = bundle.join(HOOK_REPORT);
+        let text = std::fs::read_to_string(&p).ok()?;
+        let _ = std::fs::remove_file(&p);
+        serde_json::from_str(&text).ok()
+    }
+}
+
+/// The CDI hooks of a container's OCI spec (`config.json` in `bundle`) at one OCI hook name.
+pub fn hooks_of(bundle: &Path, hook: &str) -> Vec<HookOrigin> {
+    let Ok(text) = std::fs::read_to_string(bundle.join("config.json")) else {
+        return Vec::new();
+    };
+    let Ok(v) = serde_json::from_str::<Value>(&text) else {
+        return Vec::new();
+    };
+    v["annotations"][HOOKS_ANNOTATION]
+        .as_str()
+        .and_then(|s| serde_json::from_str::<Vec<HookOrigin>>(s).ok())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|h| h.hook == hook)
+        .collect()
+}
+
+/// `hako cdi-hook HOOK DEVICE SPEC PATH ARG0 ARGS...`: runs one CDI hook for the OCI runtime
+/// in its place, so that a failure says which hook it was. The container state arrives on
+/// stdin and is passed on; the hook's stderr is passed through and its start kept. While it
+/// runs, and when it fails, `<bundle>/cdi-hook.json` says so (a hook killed for its timeout
+/// leaves the "did not finish" record). Returns the hook's exit status.
+pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
+    use std::io::{Read, Write};
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+    let s = |i: usize| args.get(i).map(|a| a.to_string_lossy().into_owned());
+    let (Some(hook), Some(device), Some(spec), Some(path)) = (s(0), s(1), s(2), s(3)) else {
+        eprintln!("hako cdi-hook: usage: hako cdi-hook HOOK DEVICE SPEC PATH [ARG0 ARGS...]");
+        return 2;
+    };
+    let arg0 = args.get(4).cloned().unwrap_or_else(|| path.clone().into());
+    let rest = args.get(5..).unwrap_or_default();
+    let mut state = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut state);
+    let report_file = serde_json::from_slice::<Value>(&state)
+        .ok()
+        .and_then(|v| v["bundle"].as_str().map(|b| Path::new(b).join(HOOK_REPORT)));
+    let origin = HookOrigin {
+        hook,
+        path: path.clone(),
+        device,
+        spec,
+    };
+    let record = |status: String, stderr: String| {
+        if let Some(f) = &report_file {
+            let r = HookReport {
+                origin: origin.clone(),
+                status,
+                stderr,
+            };
+            let tmp = f.with_extension("tmp");
+            if std::fs::write(&tmp, serde_json::to_vec(&r).unwrap_or_default()).is_ok() {
+                let _ = std::fs::rename(&tmp, f);
+            }
+        }
+    };
+    record(
+        "did not finish (killed, or past its timeout)".into(),
+        String::new(),
+    );
+    let child = std::process::Command::new(&path)
+        .arg0(arg0)
+        .args(rest)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            let e = std::io::Error::from_raw_os_error(e.raw_os_error().unwrap_or(0));
+            record(format!("could not be run: {e}"), String::new());
+            eprintln!(
+                "hako cdi-hook: {}: could not be run: {e}",
+                origin.describe()
+            );
+            return 127;
+        }
+    };
+    if let Some(mut stdin) = child.stdin.take() {
+        // A hook that does not read its state closes the pipe early: not an error.
+        let _ = stdin.write_all(&state);
+    }
+    let mut quoted = Vec::new();
+    if let Some(mut err) = child.stderr.take() {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = err.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            let _ = std::io::stderr().write_all(&buf[..n]);
+            let room = STDERR_QUOTED.saturating_sub(quoted.len());
+            quoted.extend_from_slice(&buf[..n.min(room)]);
+        }
+    }
+    let status = match child.wait() {
+        Ok(s) => s,
+        Err(e) => {
+            record(format!("could not be waited for: {e}"), String::new());
+            return 1;
+        }
+    };
+    let stderr = String::from_utf8_lossy(&quoted).trim().to_string();
+    match (status.code(), status.signal()) {
+        (Some(0), _) => {
+            if let Some(f) = &report_file {
+                let _ = std::fs::remove_file(f);
+            }
+            0
+        }
+        (Some(code), _) => {
+            record(format!("exited with status {code}"), stderr);
+            code
+        }
+        (None, sig) => {
+            let sig = sig.unwrap_or(0);
+            record(format!("was killed by signal {sig}"), stderr);
+            128 + sig
+        }
+    }
+}
+
+/// Gives the directories libcontainer made for nested device nodes (`/dev/dri/card0`,
+/// `/dev/nvgpu/igpu0/ctrl`) mode 0755, as runc makes them: libcontainer creates them under
+/// umask 0, so 0777. Called once the container is created and before it runs anything
+/// (`pid` is its init), for every device of its `config.json`; a directory that is a symlink,
+/// or not 0777, is left alone.
+pub fn fix_device_dirs(pid: i32, bundle: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(text) = std::fs::read_to_string(bundle.join("config.json")) else {
+        return;
+    };
+    let Ok(v) = serde_json::from_str::<Value>(&text) else {
+        return;
+    };
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let mut done: Vec<PathBuf> = Vec::new();
+    for d in v["linux"]["devices"].as_array().into_iter().flatten() {
+        let Some(path) = d["path"].as_str() else {
+            continue;
+        };
+        let Ok(rel) = Path::new(path).strip_prefix("/dev") else {
+            continue;
+        };
+        let mut dir = root.join("dev");
+        let parts: Vec<_> = rel.components().collect();
+        for part in parts.iter().take(parts.len().saturating_sub(1)) {
+            let std::path::Component::Normal(part) = part else {
+                break;
+            };
+            dir.push(part);
+            if done.contains(&dir) {
+                continue;
+            }
+            // lstat: never follow a link out of the container's /dev.
+            let Ok(md) = std::fs::symlink_metadata(&dir) else {
+                break;
+            };
+            if !md.is_dir() {
+                break;
+            }
+            if md.permissions().mode() & 0o7777 == 0o777 {
+                if let Err(e) =
+                    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+                {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot make a device directory 0755");
+                }
+            }
+            done.push(dir.clone());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -729,7 +1501,7 @@ mod tests {
         assert!(parse_qualified("dev0")
             .unwrap_err()
             .contains("fully qualified"));
-        assert!(parse_qualified("v/c.x=d").unwrap_err().contains("class"));
+        assert!(parse_qualified("v/c@x=d").unwrap_err().contains("class"));
         assert!(parse_qualified("v/c=-d")
             .unwrap_err()
             .contains("device name"));
@@ -744,7 +1516,7 @@ mod tests {
         };
         bad(
             r#"{"cdiVersion":"9.9.9","kind":"a.com/b","devices":[{"name":"d","containerEdits":{"env":["A=1"]}}]}"#,
-            "not supported",
+            "is not a CDI version",
         );
         bad(
             r#"{"cdiVersion":"0.3.0","kind":"ab","devices":[{"name":"d","containerEdits":{"env":["A=1"]}}]}"#,
@@ -756,7 +1528,7 @@ mod tests {
         );
         bad(
             r#"{"cdiVersion":"0.3.0","kind":"a.com/b","devices":[{"name":"d","containerEdits":{}}]}"#,
-            "no containerEdits",
+            "has no edits",
         );
         bad(
             r#"{"cdiVersion":"0.3.0","kind":"a.com/b","devices":[{"name":"d","containerEdits":{"deviceNodes":[{"path":"/dev/x","hostPath":"/dev/y"}]}}]}"#,
@@ -897,9 +1669,15 @@ mod tests {
             ("0.7.0", "0.6.0", r#"{"additionalGIDs":[5]}"#),
             ("0.7.0", "0.6.0", r#"{"intelRdt":{"closID":"c"}}"#),
             (
+                "1.1.0",
                 "1.0.0",
-                "0.8.0",
                 r#"{"netDevices":[{"hostInterfaceName":"eth1","name":"net1"}]}"#,
+            ),
+            ("1.1.0", "1.0.0", r#"{"intelRdt":{"schemata":["L3:0=f"]}}"#),
+            (
+                "1.1.0",
+                "1.0.0",
+                r#"{"intelRdt":{"enableMonitoring":true}}"#,
             ),
         ] {
             assert!(
@@ -909,8 +1687,13 @@ mod tests {
             let e = parse_spec(p, &one_device(before, edits)).unwrap_err();
             assert!(e.contains(&format!("needs cdiVersion {min}")), "{e}");
         }
-        // 1.0.x patch releases read as 1.0.0.
-        assert!(parse_spec(p, &one_device("1.0.1", r#"{"env":["A=1"]}"#)).is_ok());
+        // Only the versions upstream lists: no 1.0.x patch releases; a leading v is read.
+        let e = parse_spec(p, &one_device("1.0.1", r#"{"env":["A=1"]}"#)).unwrap_err();
+        assert!(
+            e.contains("cdiVersion: \"1.0.1\" is not a CDI version"),
+            "{e}"
+        );
+        assert!(parse_spec(p, &one_device("v1.1.0", r#"{"env":["A=1"]}"#)).is_ok());
         // Annotations, on the spec or on a device, from 0.6.0.
         let a = r#""annotations":{"x":"y"},"#;
         for (spec_level, device_level) in [(a, ""), ("", a)] {
@@ -920,7 +1703,7 @@ mod tests {
                 )
             };
             let e = parse_spec(p, &text("0.5.0")).unwrap_err();
-            assert!(e.contains("annotations need cdiVersion 0.6.0"), "{e}");
+            assert!(e.contains("annotations needs cdiVersion 0.6.0"), "{e}");
             assert!(parse_spec(p, &text("0.6.0")).is_ok(), "{}", text("0.6.0"));
             assert!(parse_spec(p, &text("1.0.0")).is_ok(), "{}", text("1.0.0"));
         }
@@ -938,21 +1721,21 @@ mod tests {
                 "0.6.0",
                 r#"{"mounts":[{"hostPath":"","containerPath":"/b"}]}"#,
             ),
-            "needs a hostPath and an absolute containerPath",
+            "devices[0].containerEdits.mounts[0].hostPath: missing",
         );
         bad(
             &one_device(
                 "0.6.0",
                 r#"{"mounts":[{"hostPath":"/a","containerPath":"b"}]}"#,
             ),
-            "needs a hostPath and an absolute containerPath",
+            "devices[0].containerEdits.mounts[0].containerPath: \"b\" is not an absolute path",
         );
         bad(
             &one_device(
                 "0.6.0",
                 r#"{"hooks":[{"hookName":"createRuntime","path":"bin/hook"}]}"#,
             ),
-            "is not absolute",
+            "hooks[0].path: \"bin/hook\" is not an absolute path",
         );
         assert!(parse_spec(
             p,
@@ -962,9 +1745,15 @@ mod tests {
             )
         )
         .is_ok());
-        for kind in ["a.com/b.c", "a@com/b", "a.com/"] {
+        for (kind, what) in [
+            ("a@com/b", "invalid vendor"),
+            ("1a.com/b", "invalid vendor"),
+            ("a.com/", "invalid class"),
+            ("a.com/b/c", "invalid class"),
+            ("a.com/-b", "invalid class"),
+        ] {
             let text = one_device("0.6.0", r#"{"env":["A=1"]}"#).replace("a.com/b", kind);
-            bad(&text, "is not a valid vendor/class");
+            bad(&text, what);
         }
     }
 
@@ -1084,6 +1873,7 @@ mod tests {
             &mut spec,
             &Resolved {
                 edits: vec![(PathBuf::from("/etc/cdi/d.json"), edits)],
+                ..Default::default()
             },
         )
         .unwrap();
@@ -1144,6 +1934,7 @@ mod tests {
             &mut spec,
             &Resolved {
                 edits: vec![(PathBuf::from("/etc/cdi/m.json"), edits)],
+                ..Default::default()
             },
         )
         .unwrap();
@@ -1157,12 +1948,36 @@ mod tests {
                 {"destination": "/c", "source": "/h", "type": "bind", "options": ["rbind"]},
             ])
         );
+        // Each runs through `hako cdi-hook` (here the test binary), which is told the hook's
+        // name, device, spec and its own path and arguments; env and timeout stay the hook's.
+        let exe = std::env::current_exe().unwrap();
+        let wrapped = |stage: &str, args: &[&str]| {
+            let mut a = vec!["hako", "cdi-hook", stage, "?", "/etc/cdi/m.json"];
+            a.extend(args);
+            json!({"path": exe, "args": a})
+        };
+        let mut poststop = wrapped("poststop", &["/bin/b", "b", "-x"]);
+        poststop["env"] = json!(["K=v"]);
+        poststop["timeout"] = json!(5);
         assert_eq!(
             spec["hooks"],
             json!({
-                "createRuntime": [{"path": "/bin/a"}, {"path": "/bin/c"}],
-                "poststop": [{"path": "/bin/b", "args": ["b", "-x"], "env": ["K=v"], "timeout": 5}],
+                "createRuntime": [wrapped("createRuntime", &["/bin/a", "/bin/a"]), wrapped("createRuntime", &["/bin/c", "/bin/c"])],
+                "poststop": [poststop],
             })
+        );
+        // Where each came from, for the monitor.
+        let origins: Vec<HookOrigin> =
+            serde_json::from_str(spec["annotations"][HOOKS_ANNOTATION].as_str().unwrap()).unwrap();
+        assert_eq!(origins.len(), 3);
+        assert_eq!(
+            origins[1],
+            HookOrigin {
+                hook: "poststop".into(),
+                path: "/bin/b".into(),
+                device: "?".into(),
+                spec: "/etc/cdi/m.json".into()
+            }
         );
     }
 
@@ -1200,6 +2015,7 @@ mod tests {
             &mut spec,
             &Resolved {
                 edits: vec![(PathBuf::from("/etc/cdi/x.json"), edits)],
+                ..Default::default()
             },
         )
         .unwrap();
@@ -1224,7 +2040,7 @@ mod tests {
             json!({"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rw"})
         );
         assert_eq!(spec["mounts"][1]["options"], json!(["ro", "rbind"]));
-        assert_eq!(spec["hooks"]["createRuntime"][0]["path"], "/bin/true");
+        assert_eq!(spec["hooks"]["createRuntime"][0]["args"][5], "/bin/true");
         assert_eq!(spec["process"]["user"]["additionalGids"], json!([44]));
 
         let e = apply(
@@ -1241,6 +2057,7 @@ mod tests {
                         ..Default::default()
                     },
                 )],
+                ..Default::default()
             },
         )
         .unwrap_err();
@@ -1248,5 +2065,200 @@ mod tests {
             e.contains("/etc/cdi/y.json") && e.contains("/nonexistent"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn field_names_are_upstreams_matched_as_go_matches_them() {
+        let p = Path::new("/x/a.json");
+        // specs-go spells it additionalGids; Go's JSON decoder ignores case, so the spelling
+        // of SPEC.md's prose (additionalGIDs) is the same field.
+        for key in ["additionalGids", "additionalGIDs", "ADDITIONALGIDS"] {
+            let s = parse_spec(p, &one_device("0.7.0", &format!(r#"{{"{key}":[44,45]}}"#)))
+                .unwrap_or_else(|e| panic!("{key}: {e}"));
+            assert_eq!(
+                s.devices[0].container_edits.additional_gids,
+                [44, 45],
+                "{key}"
+            );
+        }
+        let s = parse_spec(
+            p,
+            r#"{"CDIVERSION":"0.3.0","Kind":"a.com/bb","devices":[{"Name":"d","containeredits":{"DeviceNodes":[{"PATH":"/dev/x"}]}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(s.devices[0].container_edits.device_nodes[0].path, "/dev/x");
+        // Fields upstream does not have are refused, by their place in the file.
+        let e = parse_spec(
+            p,
+            &one_device("0.7.0", r#"{"intelRdt":{"enableCMT":true}}"#),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            r#"devices[0].containerEdits.intelRdt: unknown field "enableCMT""#
+        );
+        let e = parse_spec(
+            p,
+            &one_device("0.7.0", r#"{"deviceNodes":[{"path":"/dev/x","mode":1}]}"#),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            r#"devices[0].containerEdits.deviceNodes[0]: unknown field "mode""#
+        );
+        let e = parse_spec(
+            p,
+            r#"{"cdiVersion":"0.3.0","kind":"a.com/bb","devices":[],"x":1}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e, r#"spec: unknown field "x""#);
+        // Types are checked with the field named; null is absent, as in Go.
+        let e = parse_spec(p, &one_device("0.7.0", r#"{"additionalGids":[-1]}"#)).unwrap_err();
+        assert!(
+            e.starts_with("devices[0].containerEdits.additionalGids[0]: -1 is out of range"),
+            "{e}"
+        );
+        let e = parse_spec(
+            p,
+            &one_device(
+                "0.7.0",
+                r#"{"deviceNodes":[{"path":"/dev/x","fileMode":"0640"}]}"#,
+            ),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            r#"devices[0].containerEdits.deviceNodes[0].fileMode: expected an integer, found string "0640""#
+        );
+        assert!(parse_spec(p, &one_device("0.7.0", r#"{"env":["A=1"],"mounts":null}"#)).is_ok());
+    }
+
+    #[test]
+    fn versions_are_upstreams_with_its_rule_for_each_field() {
+        let p = Path::new("/x/a.yaml");
+        let yaml = |version: &str, kind: &str, name: &str| {
+            format!("cdiVersion: {version}\nkind: {kind}\ndevices:\n- name: {name}\n  containerEdits:\n    env: [A=1]\n")
+        };
+        for v in [
+            "0.3.0", "0.4.0", "0.5.0", "0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0",
+        ] {
+            assert!(parse_spec(p, &yaml(v, "a.com/bb", "d")).is_ok(), "{v}");
+        }
+        // Known to upstream, but every spec needs 0.3.0 there.
+        for v in ["0.1.0", "0.2.0"] {
+            let e = parse_spec(p, &yaml(v, "a.com/bb", "d")).unwrap_err();
+            assert_eq!(
+                e,
+                format!("cdiVersion: {v} is too old: every spec needs cdiVersion 0.3.0 or later")
+            );
+        }
+        for v in ["0.9.0", "1.2.0", "2", "1.0.1"] {
+            let e = parse_spec(p, &yaml(v, "a.com/bb", "d")).unwrap_err();
+            assert!(
+                e.contains("is not a CDI version (0.3.0 to 1.1.0)"),
+                "{v}: {e}"
+            );
+        }
+        // A '.' in the class needs 0.6.0; a device name starting with a digit needs 0.5.0.
+        let e = parse_spec(p, &yaml("0.5.0", "a.com/b.c", "d")).unwrap_err();
+        assert!(
+            e.contains("kind (a '.' in the class) needs cdiVersion 0.6.0"),
+            "{e}"
+        );
+        assert!(parse_spec(p, &yaml("0.6.0", "a.com/b.c", "d")).is_ok());
+        let e = parse_spec(p, &yaml("0.4.0", "a.com/bb", "0")).unwrap_err();
+        assert!(
+            e.contains("devices[0].name (a digit first) needs cdiVersion 0.5.0"),
+            "{e}"
+        );
+        assert!(parse_spec(p, &yaml("0.5.0", "a.com/bb", "0")).is_ok());
+        // The field that needs the newest version is the one named.
+        let e = parse_spec(
+            Path::new("/x/a.json"),
+            &one_device(
+                "0.6.0",
+                r#"{"additionalGids":[1],"netDevices":[{"hostInterfaceName":"a","name":"b"}]}"#,
+            ),
+        )
+        .unwrap_err();
+        assert_eq!(e, "cdiVersion: 0.6.0 is too old: devices[0].containerEdits.netDevices needs cdiVersion 1.1.0 or later");
+    }
+
+    #[test]
+    fn yaml_is_read_as_gos_yaml_reads_it() {
+        let p = Path::new("/x/a.yaml");
+        let node = |fields: &str| {
+            let text = format!("cdiVersion: 0.7.0\nkind: a.com/bb\ndevices:\n- name: d\n  containerEdits:\n    deviceNodes:\n    - {{path: /dev/x, {fields}}}\n");
+            parse_spec(p, &text).map(|s| s.devices[0].container_edits.device_nodes[0].clone())
+        };
+        for mode in ["0640", "0o640", "0x1a0", "416", "+0640", "0_640"] {
+            assert_eq!(
+                node(&format!("fileMode: {mode}")).unwrap().file_mode,
+                Some(0o640),
+                "{mode}"
+            );
+        }
+        // Not octal: go-yaml reads it as a decimal number.
+        assert_eq!(node("fileMode: 0680").unwrap().file_mode, Some(680));
+        let n = node("uid: 1_000, gid: 0b101, major: 0x10, minor: -0").unwrap();
+        assert_eq!(
+            (n.uid, n.gid, n.major, n.minor),
+            (Some(1000), Some(5), Some(16), Some(0))
+        );
+        let e = node("fileMode: rw").unwrap_err();
+        assert_eq!(
+            e,
+            r#"devices[0].containerEdits.deviceNodes[0].fileMode: expected an integer, found string "rw""#
+        );
+        let e = node("fileMode: 0o8").unwrap_err();
+        assert!(e.contains("fileMode: expected an integer"), "{e}");
+        // Numbers and booleans where text is wanted become text, as Go's reader makes them.
+        let s = parse_spec(
+            p,
+            "cdiVersion: 1.1.0\nkind: a.com/bb\ndevices:\n- name: 0\n  containerEdits:\n    intelRdt: {closID: 7, enableMonitoring: yes}\n",
+        )
+        .unwrap();
+        assert_eq!(s.devices[0].name, "0");
+        let rdt = s.devices[0].container_edits.intel_rdt.clone().unwrap();
+        assert_eq!(
+            (rdt.clos_id.as_deref(), rdt.enable_monitoring),
+            (Some("7"), Some(true))
+        );
+        // A key given twice is an error, as in go-yaml's strict mode.
+        assert!(parse_spec(
+            p,
+            "cdiVersion: 0.7.0\ncdiVersion: 0.6.0\nkind: a.com/bb\ndevices: []\n"
+        )
+        .is_err());
+        // An empty file says so.
+        assert_eq!(
+            parse_spec(p, "\n").unwrap_err(),
+            "the file is empty (no cdiVersion, kind or devices)"
+        );
+        assert_eq!(
+            parse_spec(Path::new("/x/a.json"), "{}").unwrap_err(),
+            "cdiVersion: missing"
+        );
+    }
+
+    #[test]
+    fn go_yaml_integers() {
+        for (s, n) in [
+            ("0", Some(0)),
+            ("017", Some(15)),
+            ("-017", Some(-15)),
+            ("0o17", Some(15)),
+            ("0X1f", Some(31)),
+            ("0b11", Some(3)),
+            ("1_0", Some(10)),
+            ("09", Some(9)),
+            ("0x", None),
+            ("0x-1", None),
+            ("--1", None),
+            ("1.5", None),
+            ("", None),
+        ] {
+            assert_eq!(go_yaml_int(s), n, "{s}");
+        }
     }
 }

@@ -40,6 +40,15 @@ fn lc_err(what: impl std::fmt::Display, e: libcontainer::error::LibcontainerErro
     Status::failed_precondition(format!("{what}: {msg}"))
 }
 
+/// A create or start that failed in a CDI hook run through `hako cdi-hook`: the hook's own
+/// report (hook, device, spec, status, start of stderr) leads the error.
+fn with_hook_report(bundle: &std::path::Path, e: Status) -> Status {
+    match crate::cdi::HookReport::take(bundle) {
+        Some(r) => Status::new(e.code(), format!("{}: {}", r.describe(), e.message())),
+        None => e,
+    }
+}
+
 fn proto_state(id: &str, c: &Ctr) -> pb::ContainerState {
     let exit = c.exit.unwrap_or_default();
     pb::ContainerState {
@@ -357,6 +366,55 @@ impl Svc {
 }
 
 impl Svc {
+    /// startContainer hooks run in the container's init after libcontainer's start returns,
+    /// and a failing one makes the init exit (255) before the process runs. The OCI runtime
+    /// spec makes that an error of start: wait for the exec or that exit and report it.
+    async fn await_start_hooks(&self, id: &str) -> Result<(), Status> {
+        use std::os::unix::fs::MetadataExt;
+        let (pid, bundle) = {
+            let st = self.state.lock().expect("state");
+            match st.containers.get(id) {
+                Some(c) => (c.pid, c.bundle.clone()),
+                None => return Ok(()),
+            }
+        };
+        let hooks = crate::cdi::hooks_of(&bundle, "startContainer");
+        if hooks.is_empty() {
+            return Ok(());
+        }
+        let exe = |p: &str| std::fs::metadata(p).map(|m| (m.dev(), m.ino())).ok();
+        // The init is this binary until it execs the container's process.
+        let own = exe("/proc/self/exe");
+        let deadline = std::time::Instant::now() + Duration::from_secs(300);
+        loop {
+            let exit = {
+                let st = self.state.lock().expect("state");
+                st.containers.get(id).and_then(|c| c.exit)
+            };
+            if let Some(exit) = exit {
+                if exit.code == 255 {
+                    let which: Vec<String> = hooks.iter().map(|h| h.describe()).collect();
+                    let m = format!(
+                        "container {id}: startContainer hook failed: {}: the container's init exited with status 255 before running its process (the hook's stderr is in the container's log)",
+                        which.join(", or ")
+                    );
+                    tracing::error!(container = %id, "{m}");
+                    return Err(Status::failed_precondition(m));
+                }
+                return Ok(());
+            }
+            let now = exe(&format!("/proc/{}/exe", pid.as_raw()));
+            if now.is_some() && now != own {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                tracing::warn!(container = %id, "startContainer hooks still running after 300 s; start reported as done");
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     async fn info(&self, _: pb::InfoRequest) -> Result<pb::InfoResponse, Status> {
         let st = self.state.lock().expect("state");
         Ok(pb::InfoResponse {
@@ -440,6 +498,7 @@ impl Svc {
         };
         let console_path = console.as_ref().map(|c| c.path.clone());
         let started = std::time::Instant::now();
+        let hook_bundle = bundle.clone();
         let pid = in_helper(&self.state, move || {
             // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
             // held until the create returns.
@@ -464,7 +523,9 @@ impl Svc {
                 .map_err(|e| lc_err(format!("create container {id}"), e))?;
             c.pid()
                 .ok_or_else(|| Status::internal("created container has no pid"))
-        })?;
+        })
+        .map_err(|e| with_hook_report(&hook_bundle, e))?;
+        crate::cdi::fix_device_dirs(pid.as_raw(), &bundle);
         tracing::debug!(container = %req.id, ms = started.elapsed().as_secs_f64() * 1e3, "libcontainer create");
         match console {
             Some(console) => {
@@ -500,7 +561,7 @@ impl Svc {
 
     async fn start_container(&self, req: pb::ContainerRef) -> Result<pb::ContainerState, Status> {
         let id = req.id;
-        {
+        let bundle = {
             let st = self.state.lock().expect("state");
             let c = st.containers.get(&id).ok_or_else(|| {
                 Status::not_found(format!("container {id} not found in pod monitor"))
@@ -510,7 +571,8 @@ impl Svc {
                     "container {id} is not in created state"
                 )));
             }
-        }
+            c.bundle.clone()
+        };
         // In a helper too: libcontainer's start (state file, notify socket, poststart hooks)
         // would otherwise leave its code and heap mapped in every idle monitor.
         let root = self.youki_root();
@@ -521,7 +583,10 @@ impl Svc {
             c.start()
                 .map_err(|e| lc_err(format!("start container {cid}"), e))?;
             Ok(nix::unistd::Pid::from_raw(0))
-        })?;
+        })
+        // A failing poststart hook fails the start; its report names it.
+        .map_err(|e| with_hook_report(&bundle, e))?;
+        self.await_start_hooks(&id).await?;
         {
             let mut st = self.state.lock().expect("state");
             if let Some(c) = st.containers.get_mut(&id) {
