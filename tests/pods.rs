@@ -478,8 +478,26 @@ async fn a_dead_monitor_is_detected_and_its_pod_reported() {
     )
     .await;
     wait_exited(&mut rt, &done).await;
+    let monitor = monitor_pid(&mut rt, &pod).await;
     kill_monitor(&mut rt, &pod).await;
-    // The next relist notices.
+    support::wait_for(
+        "the monitor to die",
+        std::time::Duration::from_secs(10),
+        || !std::path::Path::new(&format!("/proc/{monitor}")).exists(),
+    )
+    .await;
+    // A probe's ExecSync notices, with a final answer (not UNAVAILABLE on every retry).
+    let err = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: running.clone(),
+            cmd: vec!["true".into()],
+            timeout: 5,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("monitor is gone"), "{err:?}");
+    // The relist reports what the monitor recorded.
     let listed = rt
         .list_containers(cri::ListContainersRequest::default())
         .await

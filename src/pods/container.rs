@@ -444,7 +444,7 @@ impl Runtime {
                 if let Err(e) = self.monitor(&pod).delete(&c.id, true).await {
                     // A monitor found gone turns the pod NotReady: then the container is
                     // cleared here as for a stopped pod, instead of failing every retry.
-                    self.check_monitor(&pod, &e)?;
+                    self.check_monitor_locked(&pod, &e)?;
                     if self.pod(&pod.id)?.state == PodState::Ready {
                         return Err(e);
                     }
@@ -592,10 +592,28 @@ impl Runtime {
         // No cgroup-warm hold here (see docs/BENCHMARKS.md): exec probes are steady load, and
         // keeping the node-wide migration lock in writer mode for them would slow every fork
         // and exit on the node; the exec pays one grace period itself instead.
-        let r = self
+        let r = match self
             .monitor(&pod)
             .exec_sync(&c.id, cmd, timeout.as_millis() as i64)
-            .await?;
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                // A monitor found gone turns the pod NotReady here, not only at the next
+                // relist: kubelet's probe then gets a final answer instead of UNAVAILABLE.
+                self.check_monitor(&pod, &e)?;
+                if self
+                    .pod(&pod.id)
+                    .map_or(true, |p| p.state != PodState::Ready)
+                {
+                    return Err(Error::FailedPrecondition(format!(
+                        "container {} is not running: its pod's monitor is gone",
+                        c.id
+                    )));
+                }
+                return Err(e);
+            }
+        };
         if r.timed_out {
             return Err(Error::DeadlineExceeded(format!(
                 "command in container {} timed out after {} s",

@@ -128,6 +128,16 @@ impl Locks {
         g
     }
 
+    /// `key` held exclusively when nobody holds or awaits it now; `None` otherwise.
+    pub(crate) fn try_exclusive(&self, key: &str) -> Option<KeyGuard> {
+        let mut g = self.interest(key);
+        let lock = g.lock.clone().expect("interest has its lock");
+        // On failure the clone is consumed, so `g` going drops the map entry when unheld.
+        let w = lock.try_write_owned().ok()?;
+        g.held = Some(Held::Exclusive(w));
+        Some(g)
+    }
+
     fn interest(&self, key: &str) -> KeyGuard {
         let mut map = self.0.lock().expect("locks poisoned");
         let lock = map.entry(key.to_string()).or_default().clone();
@@ -405,6 +415,15 @@ mod tests {
             locks.exclusive("pod-b").now_or_never().is_none(),
             "pod-b is shared, not free"
         );
+        assert_eq!(locks.len(), 2);
+        // try_exclusive never waits: it fails while anyone holds the key, and leaves no
+        // interest behind when it does.
+        assert!(locks.try_exclusive("pod-a").is_none());
+        assert!(locks.try_exclusive("pod-b").is_none());
+        assert_eq!(locks.len(), 2);
+        let free = locks.try_exclusive("pod-c").expect("pod-c is free");
+        assert!(locks.try_exclusive("pod-c").is_none(), "pod-c is held now");
+        drop(free);
         assert_eq!(locks.len(), 2);
         drop((shared1, shared2));
         assert_eq!(locks.len(), 1);

@@ -124,10 +124,34 @@ impl Runtime {
     /// reported NotReady, its containers Exited with the exit their monitor recorded, or
     /// Unknown when it recorded none, and what the monitor held is released. Logged, never
     /// silent. A monitor that is alive but did not answer is left alone.
+    ///
+    /// For callers that hold none of the pod's locks (reads: status, lists, the reconcile). A
+    /// pod whose lock someone holds is being changed: a stop ends its monitor itself and
+    /// records what it finds, so a read racing it leaves the pod to that change (and does not
+    /// log a monitor "lost" on every relist during an ordinary stop).
     pub(super) fn check_monitor(&self, pod: &PodRecord, err: &Error) -> Result<()> {
         if self.monitor(pod).listening() {
             tracing::warn!(pod = %pod.id, error = %chain(err), "pod monitor did not answer");
             return Ok(());
+        }
+        let Some(_guard) = self.object_locks.try_exclusive(&pod.id) else {
+            tracing::debug!(pod = %pod.id, "pod monitor not answering while the pod is being changed");
+            return Ok(());
+        };
+        self.check_monitor_locked(pod, err)
+    }
+
+    /// [`Runtime::check_monitor`] for a caller that holds the pod's lock (shared or
+    /// exclusive): no stop of the pod can be under way.
+    pub(super) fn check_monitor_locked(&self, pod: &PodRecord, err: &Error) -> Result<()> {
+        if self.monitor(pod).listening() {
+            tracing::warn!(pod = %pod.id, error = %chain(err), "pod monitor did not answer");
+            return Ok(());
+        }
+        // Read again: a stop that finished since made it NotReady, a removal took it.
+        match self.store.get::<PodRecord>(Table::Pods, &pod.id)? {
+            Some(p) if p.state == PodState::Ready && p.monitor_pid == pod.monitor_pid => {}
+            _ => return Ok(()),
         }
         tracing::error!(pod = %pod.id, name = %pod.spec.name, monitor_pid = pod.monitor_pid, error = %chain(err), "pod monitor is gone: pod marked not ready");
         self.monitor_lost(pod)

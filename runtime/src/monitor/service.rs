@@ -694,9 +694,20 @@ impl Svc {
             };
             let _ = tokio::time::timeout(Duration::from_secs(10), rx).await;
         }
-        if let Ok(mut c) = Container::load(self.youki_root().join(&req.id)) {
-            c.delete(true)
-                .map_err(|e| lc_err(format!("delete container {}", req.id), e))?;
+        // The kernel lets a cgroup go only once its last task is fully gone, which can trail
+        // the reaped exit by a moment (EBUSY under load, seen on cgroup v1's cpuset):
+        // retried with backoff, about 0.6 s in all, as runc retries its rmdir.
+        let mut attempt = 0;
+        while let Ok(mut c) = Container::load(self.youki_root().join(&req.id)) {
+            match c.delete(true) {
+                Ok(()) => break,
+                Err(e) if attempt < 6 => {
+                    tracing::debug!(container = %req.id, attempt, error = %e, "delete failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(10 << attempt)).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(lc_err(format!("delete container {}", req.id), e)),
+            }
         }
         let mut st = self.state.lock().expect("state");
         let dir = st.opts.container_dir(&req.id);
