@@ -1427,14 +1427,31 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
 /// (`pid` is its init), for every device of its `config.json`; a directory that is a symlink,
 /// or not 0777, is left alone.
 pub fn fix_device_dirs(pid: i32, bundle: &Path) {
-    use std::os::unix::fs::PermissionsExt;
     let Ok(text) = std::fs::read_to_string(bundle.join("config.json")) else {
         return;
     };
     let Ok(v) = serde_json::from_str::<Value>(&text) else {
         return;
     };
-    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    // Every step is an openat with O_NOFOLLOW from the container's root, and the chmod is
+    // an fchmod of the directory opened: a symlink swapped in by a process sharing a volume
+    // under /dev can never redirect it to a host file. Only directories on the container's
+    // own /dev (same st_dev) are touched, never a volume mounted below it.
+    // /proc/<pid>/root is the kernel's link to the container's root: followed on purpose.
+    let Ok(root) = std::fs::File::open(format!("/proc/{pid}/root")) else {
+        return;
+    };
+    fix_device_dirs_under(&root, &v);
+}
+
+/// [`fix_device_dirs`] below `root` (the container's root), for the devices of `spec`.
+fn fix_device_dirs_under(root: &std::fs::File, v: &Value) {
+    let Ok(dev) = open_dir_nofollow(Some(root), "dev".as_ref()) else {
+        return;
+    };
+    let Ok(dev_st) = dev.metadata() else {
+        return;
+    };
     let mut done: Vec<PathBuf> = Vec::new();
     for d in v["linux"]["devices"].as_array().into_iter().flatten() {
         let Some(path) = d["path"].as_str() else {
@@ -1443,38 +1460,90 @@ pub fn fix_device_dirs(pid: i32, bundle: &Path) {
         let Ok(rel) = Path::new(path).strip_prefix("/dev") else {
             continue;
         };
-        let mut dir = root.join("dev");
         let parts: Vec<_> = rel.components().collect();
+        let mut at = PathBuf::new();
+        let mut parent: Option<std::fs::File> = None;
         for part in parts.iter().take(parts.len().saturating_sub(1)) {
             let std::path::Component::Normal(part) = part else {
                 break;
             };
-            dir.push(part);
-            if done.contains(&dir) {
-                continue;
-            }
-            // lstat: never follow a link out of the container's /dev.
-            let Ok(md) = std::fs::symlink_metadata(&dir) else {
+            at.push(part);
+            let Ok(dir) = open_dir_nofollow(Some(parent.as_ref().unwrap_or(&dev)), part) else {
                 break;
             };
-            if !md.is_dir() {
+            let Ok(md) = dir.metadata() else {
+                break;
+            };
+            if md.dev() != dev_st.dev() {
                 break;
             }
-            if md.permissions().mode() & 0o7777 == 0o777 {
-                if let Err(e) =
-                    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
-                {
-                    tracing::warn!(dir = %dir.display(), error = %e, "cannot make a device directory 0755");
+            if !done.contains(&at) && md.mode() & 0o7777 == 0o777 {
+                if let Err(e) = nix::sys::stat::fchmod(
+                    std::os::fd::AsRawFd::as_raw_fd(&dir),
+                    nix::sys::stat::Mode::from_bits_truncate(0o755),
+                ) {
+                    tracing::warn!(dir = %Path::new("/dev").join(&at).display(), error = %e, "cannot make a device directory 0755");
                 }
             }
-            done.push(dir.clone());
+            done.push(at.clone());
+            parent = Some(dir);
         }
     }
+}
+
+/// Opens directory `name` (relative to `dir`, or a path when none), never through a symlink
+/// in its last component.
+fn open_dir_nofollow(
+    dir: Option<&std::fs::File>,
+    name: &std::ffi::OsStr,
+) -> std::io::Result<std::fs::File> {
+    use nix::fcntl::OFlag;
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let fd = nix::fcntl::openat(
+        dir.map(|d| d.as_raw_fd()),
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )?;
+    // SAFETY: `fd` was just returned by a successful open and is owned by no one else.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn device_dirs_are_made_0755_and_no_symlink_is_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("root");
+        let outside = t.path().join("host");
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777;
+        let open = |p: &Path| std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o777));
+        std::fs::create_dir_all(root.join("dev/vendor/sub")).unwrap();
+        std::fs::create_dir_all(outside.join("x")).unwrap();
+        for d in ["dev/vendor", "dev/vendor/sub"] {
+            open(&root.join(d)).unwrap();
+        }
+        open(&outside).unwrap();
+        open(&outside.join("x")).unwrap();
+        // A directory on the way swapped for a link to a host directory.
+        std::os::unix::fs::symlink(&outside, root.join("dev/link")).unwrap();
+        let spec = json!({"linux": {"devices": [
+            {"path": "/dev/vendor/sub/node0"},
+            {"path": "/dev/link/x/node1"},
+        ]}});
+        fix_device_dirs_under(&std::fs::File::open(&root).unwrap(), &spec);
+        assert_eq!(mode(&root.join("dev/vendor")), 0o755);
+        assert_eq!(mode(&root.join("dev/vendor/sub")), 0o755);
+        assert_eq!(
+            mode(&outside),
+            0o777,
+            "the link's target is not the container's"
+        );
+        assert_eq!(mode(&outside.join("x")), 0o777);
+    }
 
     fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
         let p = dir.join(name);
