@@ -226,6 +226,13 @@ impl ConsoleSocket {
     }
 }
 
+/// The monitor's listening socket, which forked helpers close. Defence in depth: a
+/// container's init is cloned from a helper and, if it outlived the monitor before exec,
+/// would keep the socket listening, and the daemon would take the dead monitor for alive (and
+/// its SO_PEERCRED pid, possibly reused, for its pid). Not seen here: a created container's
+/// init was gone with its monitor in a test of exactly that.
+static LISTENER_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
 /// Runs a libcontainer create, start or exec in a forked helper and returns the new process's
 /// pid (0 for a start).
 ///
@@ -245,6 +252,11 @@ fn in_helper(
     match unsafe { nix::unistd::fork() }.map_err(|e| err("fork helper", e))? {
         nix::unistd::ForkResult::Child => {
             drop(r);
+            let listener = LISTENER_FD.load(std::sync::atomic::Ordering::Relaxed);
+            if listener >= 0 {
+                // SAFETY: the child's copy of the listener; nothing in the child uses it.
+                unsafe { libc::close(listener) };
+            }
             let msg = match f() {
                 Ok(pid) => format!("P{}\n", pid.as_raw()),
                 Err(s) => format!("E{}:{}\n", s.code(), s.message().replace('\n', " ")),
@@ -940,6 +952,10 @@ pub(crate) async fn serve(
         super::short_socket_path(&sock).map_err(|e| format!("open {}: {e}", sock.display()))?;
     let listener = tokio::net::UnixListener::bind(&short)
         .map_err(|e| format!("bind {}: {e}", sock.display()))?;
+    LISTENER_FD.store(
+        std::os::fd::AsRawFd::as_raw_fd(&listener),
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let mut sigchld = signal(SignalKind::child()).map_err(|e| format!("SIGCHLD handler: {e}"))?;
     let mut sigterm =
         signal(SignalKind::terminate()).map_err(|e| format!("SIGTERM handler: {e}"))?;
