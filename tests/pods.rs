@@ -1531,3 +1531,71 @@ async fn a_stuck_monitor_reports_its_pod_not_ready_and_holds_up_no_other_pod() {
         assert_no_leaks(&h, p);
     }
 }
+
+/// A container that ignores SIGTERM, stopped with a long grace period: a later StopContainer
+/// with a short one (kubelet's force delete) and the pod's stop do not wait for that grace
+/// period to run out (containerd lets the later stop win).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_long_grace_period_pins_neither_a_shorter_stop_nor_the_pods_stop() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("stubborn", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let stubborn = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config(
+            "stubborn",
+            &["sh", "-c", "trap '' TERM; while :; do sleep 1; done"],
+        ),
+    )
+    .await;
+    let mut slow_rt = h.runtime().await;
+    let id = stubborn.clone();
+    let slow = tokio::spawn(async move {
+        slow_rt
+            .stop_container(cri::StopContainerRequest {
+                container_id: id,
+                timeout: 3600,
+            })
+            .await
+    });
+    // The long stop has sent its SIGTERM (ignored) and waits.
+    support::wait_for(
+        "the long stop to be under way",
+        std::time::Duration::from_secs(10),
+        || h.log_text().contains("StopContainer"),
+    )
+    .await;
+    tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        rt.stop_container(cri::StopContainerRequest {
+            container_id: stubborn.clone(),
+            timeout: 1,
+        }),
+    )
+    .await
+    .expect("the short stop waited for the long one's grace period")
+    .unwrap();
+    assert_eq!(
+        status(&mut rt, &stubborn).await.state,
+        cri::ContainerState::ContainerExited as i32
+    );
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    // The long stop ends with the container, not with its grace period.
+    let r = tokio::time::timeout(std::time::Duration::from_secs(60), slow)
+        .await
+        .expect("the long stop ended once the container was gone")
+        .unwrap();
+    r.unwrap();
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

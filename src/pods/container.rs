@@ -351,11 +351,12 @@ impl Runtime {
     /// StopContainer: the image's STOPSIGNAL (SIGTERM when it has none), then SIGKILL after
     /// `timeout`. Stopping an exited or unknown container succeeds.
     pub async fn stop_container(&self, id: &str, timeout: Duration) -> Result<()> {
-        let (c, _guards) = match self.lock_container(id).await {
+        let (c, guards) = match self.lock_container(id).await {
             Ok((Some(c), guards)) => (c, guards),
             Ok((None, _)) | Err(Error::NotFound(_)) => return Ok(()),
             Err(e) => return Err(e),
         };
+        let mut _guards = Some(guards);
         let Ok(pod) = self.pod_of(&c) else {
             return Ok(());
         };
@@ -375,7 +376,23 @@ impl Runtime {
                 .unwrap_or(libc::SIGTERM);
             // Whatever goes wrong with the polite signal, the stop still ends in SIGKILL.
             let polite = match m.signal(&c.id, sig, false).await {
-                Ok(()) => m.wait(&c.id, timeout.as_millis() as i64).await,
+                Ok(()) => {
+                    // The grace period holds no lock: a later stop with a shorter timeout
+                    // (kubelet's force delete) and the pod's stop go ahead meanwhile, as
+                    // containerd lets them; a pod author's long grace period pins nothing.
+                    _guards = None;
+                    let r = m.wait(&c.id, millis(timeout)).await;
+                    match self.lock_container(id).await {
+                        Ok((Some(_), guards)) => _guards = Some(guards),
+                        Ok((None, _)) | Err(Error::NotFound(_)) => return Ok(()),
+                        Err(e) => return Err(e),
+                    }
+                    if !self.pod(&pod.id).is_ok_and(|p| p.state == PodState::Ready) {
+                        // The pod's stop ended it and recorded its exit.
+                        return Ok(());
+                    }
+                    r
+                }
                 Err(e) => Err(e),
             };
             match polite {
@@ -594,7 +611,7 @@ impl Runtime {
         // and exit on the node; the exec pays one grace period itself instead.
         let r = match self
             .monitor(&pod)
-            .exec_sync(&c.id, cmd, timeout.as_millis() as i64)
+            .exec_sync(&c.id, cmd, millis(timeout))
             .await
         {
             Ok(r) => r,
@@ -704,4 +721,10 @@ async fn clear_cgroup(cgroups_path: &str) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A timeout in milliseconds for the monitor, saturated (a huge one must not wrap into a
+/// negative, which the monitor reads as "no timeout").
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
