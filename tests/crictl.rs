@@ -291,7 +291,7 @@ async fn crictl_create_with_cdi_devices_and_annotations() {
     std::fs::write(
         cdi.path().join("crictl.yaml"),
         "cdiVersion: 0.6.0\nkind: hako.test/crictl\ndevices:\n\
-         - name: null\n  containerEdits:\n    deviceNodes: [{path: /dev/crictl-null, type: c, major: 1, minor: 3}]\n\
+         - name: 'null'\n  containerEdits:\n    deviceNodes: [{path: /dev/crictl-null, type: c, major: 1, minor: 3}]\n\
          - name: zero\n  containerEdits:\n    deviceNodes: [{path: /dev/crictl-zero, type: c, major: 1, minor: 5}]\n",
     )
     .unwrap();

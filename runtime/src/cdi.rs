@@ -833,13 +833,21 @@ impl Registry {
                 present.insert(p, (key, i));
             }
         }
-        let mut cache = self.cache.lock().expect("cdi cache poisoned");
-        cache.retain(|p, _| present.contains_key(p));
-        for (p, (key, dir)) in present {
-            if cache.get(&p).is_some_and(|l| l.key == key && l.dir == dir) {
-                continue;
-            }
-            let text = std::fs::read_to_string(&p).map_err(|e| e.to_string());
+        // Which files changed, under the lock; reading and parsing them outside it, so a slow
+        // or hostile file holds up no resolve or Status for longer than it takes to read.
+        let stale: Vec<(PathBuf, FileKey, usize)> = {
+            let mut cache = self.cache.lock().expect("cdi cache poisoned");
+            cache.retain(|p, _| present.contains_key(p));
+            present
+                .into_iter()
+                .filter(|(p, (key, dir))| {
+                    !cache.get(p).is_some_and(|l| l.key == *key && l.dir == *dir)
+                })
+                .map(|(p, (key, dir))| (p, key, dir))
+                .collect()
+        };
+        for (p, key, dir) in stale {
+            let text = read_spec_file(&p);
             let hint = text.as_deref().ok().and_then(kind_hint);
             let spec = text.and_then(|t| parse_spec(&p, &t));
             match &spec {
@@ -850,7 +858,7 @@ impl Registry {
                     tracing::warn!(file = %p.display(), error = %e, "CDI spec is invalid; its devices are unavailable")
                 }
             }
-            cache.insert(
+            self.cache.lock().expect("cdi cache poisoned").insert(
                 p,
                 Loaded {
                     key,
@@ -1509,6 +1517,34 @@ fn open_dir_nofollow(
     Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
+/// The most a CDI spec file may hold: nvidia-ctk's largest (a Jetson spec with 418 mounts) is
+/// well under 1 MiB.
+const MAX_SPEC_BYTES: u64 = 4 << 20;
+
+/// A spec file's text: a regular file of at most [`MAX_SPEC_BYTES`], opened non-blocking so a
+/// file that never ends or blocks (a FIFO, a /proc file linked in) cannot hang the daemon.
+fn read_spec_file(p: &Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(p)
+        .map_err(|e| e.to_string())?;
+    let md = f.metadata().map_err(|e| e.to_string())?;
+    if !md.is_file() {
+        return Err("not a regular file".into());
+    }
+    let mut text = String::new();
+    f.take(MAX_SPEC_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| e.to_string())?;
+    if text.len() as u64 > MAX_SPEC_BYTES {
+        return Err(format!("larger than {MAX_SPEC_BYTES} bytes"));
+    }
+    Ok(text)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1856,6 +1892,20 @@ mod tests {
             m.contains("y.yaml") && m.contains("nokind.json") && !m.contains("x.json"),
             "{m}"
         );
+    }
+
+    #[test]
+    fn a_spec_file_too_large_is_refused_unread() {
+        let d = tempfile::tempdir().unwrap();
+        let big = format!(
+            "{{\"cdiVersion\": \"0.3.0\", \"kind\": \"big.com/x\", \"devices\": [], \"pad\": \"{}\"}}",
+            "x".repeat(MAX_SPEC_BYTES as usize)
+        );
+        write(d.path(), "big.json", &big);
+        let reg = Registry::new(vec![d.path().into()]);
+        let (_, broken) = reg.report();
+        assert_eq!(broken.len(), 1, "{broken:?}");
+        assert!(broken[0].1.contains("larger than"), "{broken:?}");
     }
 
     #[test]

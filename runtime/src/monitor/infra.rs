@@ -109,6 +109,12 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
         // child (CLONE_PARENT), so it can die with the monitor (PR_SET_PDEATHSIG fires when
         // the parent goes): a pod's init never outlives the monitor that answers for it, and
         // no one has to search for it afterwards.
+        // With CLONE_PARENT the new init's parent is this process's: the monitor. Held by a
+        // pidfd (the child, in its new PID namespace, cannot name it by pid).
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let monitor =
+            unsafe { libc::syscall(libc::SYS_pidfd_open, nix::unistd::getppid().as_raw(), 0) }
+                as libc::c_int;
         // SAFETY: a fork-like clone (no new stack, no shared memory) of a single-threaded
         // process; the child only makes system calls.
         let child = unsafe {
@@ -125,6 +131,22 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
             0 => {
                 // SAFETY: prctl on this process only.
                 unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+                // The monitor died between the clone and the prctl: no signal will come. (A
+                // pidfd polls readable once its process has exited.)
+                if monitor >= 0 {
+                    let mut p = libc::pollfd {
+                        fd: monitor,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    // SAFETY: one pollfd on a descriptor this process holds; no waiting.
+                    if unsafe { libc::poll(&mut p, 1, 0) } > 0 {
+                        // SAFETY: leave at once, as the signal would have made it.
+                        unsafe { libc::_exit(1) };
+                    }
+                    // SAFETY: the pidfd opened above; nothing else uses it.
+                    unsafe { libc::close(monitor) };
+                }
             }
             c if c > 0 => {
                 let _ = writeln!(report, "P{c}");

@@ -397,7 +397,9 @@ impl Svc {
         let exe = |p: &str| std::fs::metadata(p).map(|m| (m.dev(), m.ino())).ok();
         // The init is this binary until it execs the container's process.
         let own = exe("/proc/self/exe");
-        let deadline = std::time::Instant::now() + Duration::from_secs(300);
+        // Under the daemon's deadline for a start (60 s): past it the daemon would give up on
+        // the call and keep the record as Created while the container ran.
+        let deadline = std::time::Instant::now() + Duration::from_secs(50);
         loop {
             let exit = {
                 let st = self.state.lock().expect("state");
@@ -407,7 +409,7 @@ impl Svc {
                 if exit.code == 255 {
                     let which: Vec<String> = hooks.iter().map(|h| h.describe()).collect();
                     let m = format!(
-                        "container {id}: startContainer hook failed: {}: the container's init exited with status 255 before running its process (the hook's stderr is in the container's log)",
+                        "container {id}: startContainer hook failed: {}: the container's init exited with status 255 before its process ran (or its process exited 255 at once; the hook's stderr is in the container's log)",
                         which.join(", or ")
                     );
                     tracing::error!(container = %id, "{m}");
@@ -420,7 +422,7 @@ impl Svc {
                 return Ok(());
             }
             if std::time::Instant::now() > deadline {
-                tracing::warn!(container = %id, "startContainer hooks still running after 300 s; start reported as done");
+                tracing::warn!(container = %id, "startContainer hooks still running after 50 s; start reported as done");
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
