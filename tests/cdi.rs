@@ -723,6 +723,11 @@ async fn failing_cdi_hooks_are_named_in_create_and_start_errors() {
         "poststart",
         "/bin/sh",
         "echo late >&2; exit 5",
+    ) + &hook(
+        "lingers",
+        "createContainer",
+        "/bin/sh",
+        "sleep 121 & echo left a child >&2; exit 0",
     );
     cdi.write("etc", "hooks.yaml", &text);
     let spec_file = cdi.path("etc/hooks.yaml");
@@ -800,6 +805,14 @@ async fn failing_cdi_hooks_are_named_in_create_and_start_errors() {
         )),
         "{e:?}"
     );
+
+    // A hook that exits 0 but leaves a background child holding its stderr has finished: the
+    // create does not wait for the child (it would, until the daemon's 60 s deadline).
+    let lingered = create(&mut rt, &pod, &cfg, cc("f", "lingers")).await;
+    let _ = std::process::Command::new("pkill")
+        .args(["-x", "-f", "sleep 121"])
+        .status();
+    lingered.unwrap();
 
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);

@@ -1390,17 +1390,25 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
         // A hook that does not read its state closes the pipe early: not an error.
         let _ = stdin.write_all(&state);
     }
-    let mut quoted = Vec::new();
+    // stderr is read beside the wait, not to its end: a hook that leaves a background child
+    // holding it open has still finished when it exits, and must not keep the runtime (and
+    // the pod's monitor) waiting for that child.
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
     if let Some(mut err) = child.stderr.take() {
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = err.read(&mut buf) {
-            if n == 0 {
-                break;
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = err.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                let _ = std::io::stderr().write_all(&buf[..n]);
+                if tx.send(buf[..n].to_vec()).is_err() {
+                    break;
+                }
             }
-            let _ = std::io::stderr().write_all(&buf[..n]);
-            let room = STDERR_QUOTED.saturating_sub(quoted.len());
-            quoted.extend_from_slice(&buf[..n.min(room)]);
-        }
+        });
+    } else {
+        drop(tx);
     }
     let status = match child.wait() {
         Ok(s) => s,
@@ -1409,6 +1417,15 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
             return 1;
         }
     };
+    // What it wrote before it exited, and a moment for the pipe to drain; then done.
+    let mut quoted = Vec::new();
+    let until = std::time::Instant::now() + std::time::Duration::from_millis(200);
+    while let Ok(chunk) =
+        rx.recv_timeout(until.saturating_duration_since(std::time::Instant::now()))
+    {
+        let room = STDERR_QUOTED.saturating_sub(quoted.len());
+        quoted.extend_from_slice(&chunk[..chunk.len().min(room)]);
+    }
     let stderr = String::from_utf8_lossy(&quoted).trim().to_string();
     match (status.code(), status.signal()) {
         (Some(0), _) => {
