@@ -987,6 +987,13 @@ async fn a_running_pod_survives_the_loss_of_the_store() {
         .await;
         wait_exited(&mut rt, &done).await;
         let pid = container_pid(&mut rt, &sleeper).await;
+        // The copies are kept, and sent only when asked (not with every relist's read).
+        let full = monitor_info(&h, &pod, false).await;
+        assert!(!full.pod_record.is_empty());
+        assert_eq!(full.container_records.len(), 2);
+        let read = monitor_info(&h, &pod, true).await;
+        assert!(read.pod_record.is_empty() && read.container_records.is_empty());
+        assert_eq!(read.containers.len(), 2);
         h.kill9();
         let db = h.root.join("meta.db");
         match lose {
@@ -1048,6 +1055,26 @@ async fn a_running_pod_survives_the_loss_of_the_store() {
         assert_no_leaks(&h, &pod);
         assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
     }
+}
+
+/// A pod monitor's Info, asked over its socket as the daemon asks it.
+async fn monitor_info(
+    h: &support::hako::Hako,
+    pod: &str,
+    skip_records: bool,
+) -> hako_proto::monitor::InfoResponse {
+    use hako_runtime::monitor::wire::{self, code, Method};
+    use prost::Message as _;
+    let sock = h.state.join("pods").join(pod).join("monitor.sock");
+    let (_dir, short) = hako_runtime::monitor::short_socket_path(&sock).unwrap();
+    let mut c = tokio::net::UnixStream::connect(short).await.unwrap();
+    let req = hako_proto::monitor::InfoRequest { skip_records };
+    wire::write_frame(&mut c, Method::Info as u8, &req.encode_to_vec())
+        .await
+        .unwrap();
+    let (status, body) = wire::read_frame(&mut c).await.unwrap();
+    assert_eq!(status, code::OK, "{}", String::from_utf8_lossy(&body));
+    hako_proto::monitor::InfoResponse::decode(body.as_slice()).unwrap()
 }
 
 /// Makes a pod's monitor forget the copy of a record it kept (the pod's when `container` is

@@ -214,13 +214,16 @@ impl MonitorClient {
     }
 
     pub async fn info(&self) -> Result<pb::InfoResponse> {
-        self.call(Method::Info, &pb::InfoRequest {}, "pod monitor info")
-            .await
+        let req = pb::InfoRequest {
+            skip_records: false,
+        };
+        self.call(Method::Info, &req, "pod monitor info").await
     }
 
     /// `info` within the read deadline, for lists, statuses and stats.
+    /// The kept records are left out: a read needs states only.
     pub async fn read_info(&self) -> Result<pb::InfoResponse> {
-        let req = pb::InfoRequest {};
+        let req = pb::InfoRequest { skip_records: true };
         self.call_within(Method::Info, &req, "pod monitor info", Some(READ_DEADLINE))
             .await
     }

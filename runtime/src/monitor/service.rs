@@ -429,8 +429,9 @@ impl Svc {
         }
     }
 
-    async fn info(&self, _: pb::InfoRequest) -> Result<pb::InfoResponse, Status> {
+    async fn info(&self, req: pb::InfoRequest) -> Result<pb::InfoResponse, Status> {
         let st = self.state.lock().expect("state");
+        let records = !req.skip_records;
         Ok(pb::InfoResponse {
             pid: std::process::id(),
             pod_id: st.opts.pod_id.clone(),
@@ -440,11 +441,15 @@ impl Svc {
                 .iter()
                 .map(|(id, c)| proto_state(id, c))
                 .collect(),
-            pod_record: st.pod_record.clone(),
+            pod_record: if records {
+                st.pod_record.clone()
+            } else {
+                Vec::new()
+            },
             container_records: st
                 .containers
                 .iter()
-                .filter(|(_, c)| !c.record.is_empty())
+                .filter(|(_, c)| records && !c.record.is_empty())
                 .map(|(id, c)| (id.clone(), c.record.clone()))
                 .collect(),
             pid_ns_gone: st.pid_ns_dead,
