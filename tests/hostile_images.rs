@@ -47,15 +47,7 @@ async fn push_and_pull(reg: &Registry, h: &Hako, repo: &str, top: Vec<u8>) -> St
         .push(&format!("e2e-test-images/{repo}"), "1", &img)
         .await;
     let name = format!("registry.k8s.io/e2e-test-images/{repo}:1");
-    h.images()
-        .await
-        .pull_image(cri::PullImageRequest {
-            image: Some(cri::ImageSpec {
-                image: name.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
+    support::hako::pull(h, &name)
         .await
         .unwrap_or_else(|e| panic!("pull {name}: {e:?}"));
     name

@@ -10,7 +10,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use k8s_cri::v1 as cri;
-use support::hako::Hako;
+use support::hako::{pull, Hako};
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher, Tar};
 use support::registry::Registry;
 
@@ -18,19 +18,6 @@ use support::registry::Registry;
 /// daemon refusing these bombs peaks under 50 MiB here; one that got through would add hundreds
 /// of MiB or GiB.
 const PEAK_RSS_BOUND_KIB: u64 = 256 * 1024;
-
-async fn pull(h: &Hako, image: &str) -> Result<String, tonic::Status> {
-    let mut c = h.images().await;
-    c.pull_image(cri::PullImageRequest {
-        image: Some(cri::ImageSpec {
-            image: image.into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .map(|r| r.into_inner().image_ref)
-}
 
 async fn image_count(h: &Hako) -> usize {
     let mut c = h.images().await;

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use k8s_cri::v1 as cri;
-use support::hako::Hako;
+use support::hako::{pull, Hako};
 use support::oci::{self, Compression, Layer, Pusher};
 use support::proxy::{Behaviour, Canned, Proxy};
 use support::registry::Registry;
@@ -72,19 +72,6 @@ async fn push_layers(reg: &Registry, repo: &str, top: &Layer) {
     let p = Pusher::new(&reg.addr);
     p.blob(repo, &base().blob).await;
     p.blob(repo, &top.blob).await;
-}
-
-async fn pull(h: &Hako, image: &str) -> Result<String, tonic::Status> {
-    let mut c = h.images().await;
-    c.pull_image(cri::PullImageRequest {
-        image: Some(cri::ImageSpec {
-            image: image.into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .map(|r| r.into_inner().image_ref)
 }
 
 /// The daemon's peak resident set so far, in bytes.

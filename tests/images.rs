@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use k8s_cri::v1 as cri;
-use support::hako::Hako;
+use support::hako::{pull, Hako};
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
 use support::proxy::{Behaviour, Proxy};
 use support::registry::Registry;
@@ -36,16 +36,6 @@ fn busybox_image(
         layers.push(Layer::new(&oci::marker_tar(path, content), c, docker));
     }
     Image::new(layers, conf, docker)
-}
-
-async fn pull(h: &Hako, image: &str) -> Result<String, tonic::Status> {
-    let mut c = h.images().await;
-    c.pull_image(cri::PullImageRequest {
-        image: spec(image),
-        ..Default::default()
-    })
-    .await
-    .map(|r| r.into_inner().image_ref)
 }
 
 async fn pull_with(h: &Hako, image: &str, auth: cri::AuthConfig) -> Result<String, tonic::Status> {

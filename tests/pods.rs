@@ -788,17 +788,7 @@ async fn stop_uses_the_images_stop_signal() {
         .push("e2e-test-images/stopper", "1", &img)
         .await;
     let image = "registry.k8s.io/e2e-test-images/stopper:1";
-    h.images()
-        .await
-        .pull_image(cri::PullImageRequest {
-            image: Some(cri::ImageSpec {
-                image: image.into(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    support::hako::pull(&h, image).await.unwrap();
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("stopper", logs.path());
@@ -851,17 +841,7 @@ async fn stop_uses_the_images_stop_signal() {
             .push("e2e-test-images/badstop", &n.to_string(), &img)
             .await;
         let image = format!("registry.k8s.io/e2e-test-images/badstop:{n}");
-        h.images()
-            .await
-            .pull_image(cri::PullImageRequest {
-                image: Some(cri::ImageSpec {
-                    image: image.clone(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        support::hako::pull(&h, &image).await.unwrap();
         let mut cc = container_config(&format!("bad{n}"), &["sleep", "60"]);
         cc.image = Some(cri::ImageSpec {
             image: image.clone(),
@@ -957,17 +937,7 @@ async fn a_running_pod_survives_the_loss_of_the_store() {
     let logs = tempfile::tempdir().unwrap();
     for lose in ["delete", "truncate"] {
         // The image records went with the store: the second round pulls again.
-        h.images()
-            .await
-            .pull_image(cri::PullImageRequest {
-                image: Some(cri::ImageSpec {
-                    image: IMAGE.into(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        support::hako::pull(&h, IMAGE).await.unwrap();
         let mut rt = h.runtime().await;
         let cfg = pod_config(&format!("kept-{lose}"), logs.path());
         let pod = run_pod(&mut rt, &cfg).await;
@@ -1034,17 +1004,7 @@ async fn a_running_pod_survives_the_loss_of_the_store() {
         assert_eq!(st.exit_code, 7);
         // kubelet pulls the image again (its record went with the store): the layers the
         // running container's overlay has as lowers stay as they are.
-        h.images()
-            .await
-            .pull_image(cri::PullImageRequest {
-                image: Some(cri::ImageSpec {
-                    image: IMAGE.into(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        support::hako::pull(&h, IMAGE).await.unwrap();
         assert_eq!(exec(&mut rt, &sleeper, "echo alive").await, "alive");
         assert!(h
             .log_text()
@@ -1057,43 +1017,45 @@ async fn a_running_pod_survives_the_loss_of_the_store() {
     }
 }
 
-/// A pod monitor's Info, asked over its socket as the daemon asks it.
+/// One call to a pod's monitor over its socket, as the daemon makes it; the answer's body.
+async fn monitor_call(
+    h: &support::hako::Hako,
+    pod: &str,
+    method: hako_runtime::monitor::wire::Method,
+    req: impl prost::Message,
+) -> Vec<u8> {
+    use hako_runtime::monitor::wire::{self, code};
+    let sock = h.state.join("pods").join(pod).join("monitor.sock");
+    let (_dir, short) = hako_runtime::monitor::short_socket_path(&sock).unwrap();
+    let mut c = tokio::net::UnixStream::connect(short).await.unwrap();
+    wire::write_frame(&mut c, method as u8, &req.encode_to_vec())
+        .await
+        .unwrap();
+    let (status, body) = wire::read_frame(&mut c).await.unwrap();
+    assert_eq!(status, code::OK, "{}", String::from_utf8_lossy(&body));
+    body
+}
+
+/// A pod monitor's Info.
 async fn monitor_info(
     h: &support::hako::Hako,
     pod: &str,
     skip_records: bool,
 ) -> hako_proto::monitor::InfoResponse {
-    use hako_runtime::monitor::wire::{self, code, Method};
     use prost::Message as _;
-    let sock = h.state.join("pods").join(pod).join("monitor.sock");
-    let (_dir, short) = hako_runtime::monitor::short_socket_path(&sock).unwrap();
-    let mut c = tokio::net::UnixStream::connect(short).await.unwrap();
     let req = hako_proto::monitor::InfoRequest { skip_records };
-    wire::write_frame(&mut c, Method::Info as u8, &req.encode_to_vec())
-        .await
-        .unwrap();
-    let (status, body) = wire::read_frame(&mut c).await.unwrap();
-    assert_eq!(status, code::OK, "{}", String::from_utf8_lossy(&body));
+    let body = monitor_call(h, pod, hako_runtime::monitor::wire::Method::Info, req).await;
     hako_proto::monitor::InfoResponse::decode(body.as_slice()).unwrap()
 }
 
 /// Makes a pod's monitor forget the copy of a record it kept (the pod's when `container` is
 /// empty), as if the create had not finished: the monitor holds the object, no record exists.
 async fn forget_kept_record(h: &support::hako::Hako, pod: &str, container: &str) {
-    use hako_runtime::monitor::wire::{self, code, Method};
-    use prost::Message as _;
-    let sock = h.state.join("pods").join(pod).join("monitor.sock");
-    let (_dir, short) = hako_runtime::monitor::short_socket_path(&sock).unwrap();
-    let mut c = tokio::net::UnixStream::connect(short).await.unwrap();
     let req = hako_proto::monitor::KeepRecordRequest {
         container_id: container.into(),
         record: Vec::new(),
     };
-    wire::write_frame(&mut c, Method::KeepRecord as u8, &req.encode_to_vec())
-        .await
-        .unwrap();
-    let (status, body) = wire::read_frame(&mut c).await.unwrap();
-    assert_eq!(status, code::OK, "{}", String::from_utf8_lossy(&body));
+    monitor_call(h, pod, hako_runtime::monitor::wire::Method::KeepRecord, req).await;
 }
 
 /// A crash between the first step of a RunPodSandbox or CreateContainer and the record that

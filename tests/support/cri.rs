@@ -50,16 +50,7 @@ async fn ready_with(state: &str, extra: &str) -> Option<(Registry, Hako)> {
         "registry.k8s.io",
         &super::standins::hosts_toml("registry.k8s.io", &reg.addr),
     );
-    let mut c = h.images().await;
-    c.pull_image(cri::PullImageRequest {
-        image: Some(cri::ImageSpec {
-            image: IMAGE.into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await
-    .expect("pull busybox");
+    super::hako::pull(&h, IMAGE).await.expect("pull busybox");
     Some((reg, h))
 }
 

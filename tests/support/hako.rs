@@ -9,6 +9,21 @@ use k8s_cri::v1::image_service_client::ImageServiceClient;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+/// PullImage of `image` through `h`'s CRI socket; the image ref it answers.
+pub async fn pull(h: &Hako, image: &str) -> Result<String, tonic::Status> {
+    h.images()
+        .await
+        .pull_image(k8s_cri::v1::PullImageRequest {
+            image: Some(k8s_cri::v1::ImageSpec {
+                image: image.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .map(|r| r.into_inner().image_ref)
+}
+
 pub struct Hako {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
