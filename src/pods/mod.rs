@@ -292,6 +292,22 @@ impl Runtime {
         self.name_locks.exclusive(name).await
     }
 
+    /// The pod is NotReady from now on: its monitor client is forgotten and its record, while
+    /// it exists, says so (a removal racing this stays a removal).
+    fn mark_not_ready(&self, pod_id: &str) -> Result<()> {
+        self.monitors
+            .lock()
+            .expect("monitors poisoned")
+            .remove(pod_id);
+        self.store
+            .update(Table::Pods, pod_id, |p: &mut PodRecord| {
+                let changed = p.state != PodState::NotReady;
+                p.state = PodState::NotReady;
+                changed
+            })?;
+        Ok(())
+    }
+
     fn monitor(&self, pod: &PodRecord) -> MonitorClient {
         let mut m = self.monitors.lock().expect("monitors poisoned");
         m.entry(pod.id.clone())

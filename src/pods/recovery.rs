@@ -130,25 +130,38 @@ impl Runtime {
     /// records what it finds, so a read racing it leaves the pod to that change (and does not
     /// log a monitor "lost" on every relist during an ordinary stop).
     pub(super) fn check_monitor(&self, pod: &PodRecord, err: &Error) -> Result<()> {
-        if self.monitor(pod).listening() {
-            tracing::warn!(pod = %pod.id, error = %chain(err), "pod monitor did not answer");
+        if self.only_silent(pod, err) {
             return Ok(());
         }
         let Some(_guard) = self.object_locks.try_exclusive(&pod.id) else {
             tracing::debug!(pod = %pod.id, "pod monitor not answering while the pod is being changed");
             return Ok(());
         };
-        self.check_monitor_locked(pod, err)
+        self.monitor_gone(pod, err)
     }
 
     /// [`Runtime::check_monitor`] for a caller that holds the pod's lock (shared or
     /// exclusive): no stop of the pod can be under way.
     pub(super) fn check_monitor_locked(&self, pod: &PodRecord, err: &Error) -> Result<()> {
-        if self.monitor(pod).listening() {
-            tracing::warn!(pod = %pod.id, error = %chain(err), "pod monitor did not answer");
+        if self.only_silent(pod, err) {
             return Ok(());
         }
-        // Read again: a stop that finished since made it NotReady, a removal took it.
+        self.monitor_gone(pod, err)
+    }
+
+    /// Whether the pod's monitor still listens: then it only did not answer (logged, left
+    /// alone).
+    fn only_silent(&self, pod: &PodRecord, err: &Error) -> bool {
+        let listening = self.monitor(pod).listening();
+        if listening {
+            tracing::warn!(pod = %pod.id, error = %chain(err), "pod monitor did not answer");
+        }
+        listening
+    }
+
+    /// A monitor that no longer listens, with the pod's lock held: lost, unless the record
+    /// (read again) says a stop that finished since made the pod NotReady or a removal took it.
+    fn monitor_gone(&self, pod: &PodRecord, err: &Error) -> Result<()> {
         match self.store.get::<PodRecord>(Table::Pods, &pod.id)? {
             Some(p) if p.state == PodState::Ready && p.monitor_pid == pod.monitor_pid => {}
             _ => return Ok(()),
@@ -192,17 +205,7 @@ impl Runtime {
         }
         // The pod's init died with its monitor (PR_SET_PDEATHSIG): only the pins are left.
         hako_runtime::monitor::unpin_namespaces(&dir);
-        self.monitors
-            .lock()
-            .expect("monitors poisoned")
-            .remove(&pod.id);
-        self.store
-            .update(Table::Pods, &pod.id, |p: &mut PodRecord| {
-                let changed = p.state != PodState::NotReady;
-                p.state = PodState::NotReady;
-                changed
-            })?;
-        Ok(())
+        self.mark_not_ready(&pod.id)
     }
 
     /// At start (after [`adopt_lost_records`]): pods whose monitor died while the daemon was

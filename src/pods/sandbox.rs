@@ -321,15 +321,7 @@ impl Runtime {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        self.monitors
-            .lock()
-            .expect("monitors poisoned")
-            .remove(&pod.id);
-        self.store
-            .update(Table::Pods, &pod.id, |p: &mut PodRecord| {
-                p.state = PodState::NotReady;
-                true
-            })?;
+        self.mark_not_ready(&pod.id)?;
         tracing::info!(pod = %pod.id, "pod sandbox stopped");
         Ok(())
     }
