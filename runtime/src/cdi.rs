@@ -1471,7 +1471,7 @@ pub fn fix_device_dirs(pid: i32, bundle: &Path) {
 
 /// [`fix_device_dirs`] below `root` (the container's root), for the devices of `spec`.
 fn fix_device_dirs_under(root: &std::fs::File, v: &Value) {
-    let Ok(dev) = open_dir_nofollow(Some(root), "dev".as_ref()) else {
+    let Ok(dev) = crate::fsat::open_dir_nofollow(Some(root), "dev".as_ref()) else {
         return;
     };
     let Ok(dev_st) = dev.metadata() else {
@@ -1493,7 +1493,9 @@ fn fix_device_dirs_under(root: &std::fs::File, v: &Value) {
                 break;
             };
             at.push(part);
-            let Ok(dir) = open_dir_nofollow(Some(parent.as_ref().unwrap_or(&dev)), part) else {
+            let Ok(dir) =
+                crate::fsat::open_dir_nofollow(Some(parent.as_ref().unwrap_or(&dev)), part)
+            else {
                 break;
             };
             let Ok(md) = dir.metadata() else {
@@ -1514,24 +1516,6 @@ fn fix_device_dirs_under(root: &std::fs::File, v: &Value) {
             parent = Some(dir);
         }
     }
-}
-
-/// Opens directory `name` (relative to `dir`, or a path when none), never through a symlink
-/// in its last component.
-fn open_dir_nofollow(
-    dir: Option<&std::fs::File>,
-    name: &std::ffi::OsStr,
-) -> std::io::Result<std::fs::File> {
-    use nix::fcntl::OFlag;
-    use std::os::fd::{AsRawFd, FromRawFd};
-    let fd = nix::fcntl::openat(
-        dir.map(|d| d.as_raw_fd()),
-        name,
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )?;
-    // SAFETY: `fd` was just returned by a successful open and is owned by no one else.
-    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
 /// The most a CDI spec file may hold: nvidia-ctk's largest (a Jetson spec with 418 mounts) is

@@ -4,7 +4,8 @@
 //! device specs and edits ([`cdi`]), and [`cgroup_warm`], which readies the kernel's
 //! cgroup-migration lock before a container joins its cgroups. [`seccomp`] holds the
 //! default seccomp profile and the adaptation of every profile to libcontainer; [`apparmor`]
-//! decides a container's AppArmor profile and loads the default one. Fallible functions return
+//! decides a container's AppArmor profile and loads the default one; [`fsat`] opens directories
+//! never through a symlink. Fallible functions return
 //! the crate's [`Error`].
 
 pub mod apparmor;
@@ -12,6 +13,7 @@ pub mod cdi;
 pub mod cgroup_warm;
 pub mod devices;
 pub mod error;
+pub mod fsat;
 pub mod logs;
 pub mod monitor;
 pub mod seccomp;

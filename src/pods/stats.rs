@@ -6,14 +6,16 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use nix::fcntl::{AtFlags, OFlag};
-use nix::sys::stat::{FileStat, Mode, SFlag};
+use nix::fcntl::AtFlags;
+use nix::sys::stat::{FileStat, SFlag};
+
+use hako_runtime::fsat::open_dir_nofollow;
 
 use super::host::now_nanos;
 use super::spec::pod_cgroup;
@@ -265,7 +267,7 @@ pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
             w.inodes += 1;
         }
     };
-    let top = open_dir(None, root.as_os_str())?;
+    let top = open_dir_nofollow(None, root.as_os_str())?;
     count(&nix::sys::stat::fstat(top.as_raw_fd())?, &mut w);
     let listing = entries_of(&top)?;
     // One open directory (and its listing) per level of the current path.
@@ -306,7 +308,7 @@ pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
             w.stopped = Some("depth");
             continue;
         }
-        let Ok(child) = open_dir(Some(&*dir), &name) else {
+        let Ok(child) = open_dir_nofollow(Some(&*dir), &name) else {
             continue;
         };
         if let Ok(l) = entries_of(&child) {
@@ -314,19 +316,6 @@ pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
         }
     }
     Ok(w)
-}
-
-/// Opens the directory `name` (relative to `dir`, or a path when none) without following a
-/// symlink in its last component.
-fn open_dir(dir: Option<&File>, name: &std::ffi::OsStr) -> io::Result<File> {
-    let fd = nix::fcntl::openat(
-        dir.map(|d| d.as_raw_fd()),
-        name,
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )?;
-    // SAFETY: `fd` was just returned by a successful open and is owned by no one else.
-    Ok(unsafe { File::from_raw_fd(fd) })
 }
 
 /// The entries of an open directory (through its descriptor's /proc link, which names that

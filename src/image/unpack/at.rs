@@ -61,13 +61,7 @@ pub fn fstat(f: &File) -> io::Result<FileStat> {
 /// included.
 pub fn open_dir(dir: &File, name: &OsStr) -> io::Result<File> {
     name_ok(name)?;
-    let fd = nix::fcntl::openat(
-        Some(dir.as_raw_fd()),
-        name,
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )?;
-    Ok(from_fd(fd))
+    hako_runtime::fsat::open_dir_nofollow(Some(dir), name)
 }
 
 /// Opens the regular file `name` in `dir` for reading; anything else is an error (a FIFO is
