@@ -11,3 +11,4 @@ mod notify;
 pub mod pods;
 pub mod server;
 pub mod store;
+pub mod streaming;
