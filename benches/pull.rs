@@ -1,20 +1,33 @@
-//! Pull benchmark: a multi-layer image of about 200 MB from a local registry, pulled and
-//! unpacked through CRI `PullImage` by hako (with and without `image.sync_layers`) and by
-//! Debian's containerd 1.6, in the same run on the same machine, alternating, each pull cold
-//! (the image removed in between).
+//! Pull benchmark, two parts, each runtime in the same run on the same machine, alternating:
 //!
-//! `cargo bench --bench pull` (as root; needs docker-registry and containerd).
-//! `HAKO_BENCH_ROUNDS` sets the number of pulls per runtime (default 5).
+//! - Pull: a multi-layer image of about 200 MB from a local registry, pulled and unpacked
+//!   through CRI `PullImage` by hako (with and without `image.sync_layers`), Debian's
+//!   containerd 1.6 and containerd 2.x (built by `.ci/build-containerd.sh`, see
+//!   `common::containerd2_dir`), each pull cold (the image removed in between).
+//! - Cold start: from `PullImage` of an image the node does not have to the container's first
+//!   log line (`PullImage`, `CreateContainer`, `StartContainer`, then the log file read until
+//!   its first line), every round on a freshly started runtime with an empty root (only the
+//!   pod sandbox, and containerd's pause image, exist before the clock starts). Three images:
+//!   about 210 MB of incompressible data, and a distro-like one built from this machine's
+//!   /usr/lib and /usr/share files (6 layers, a few hundred MB), gzip and zstd.
+//!
+//! `cargo bench --bench pull` (as root; needs docker-registry, containerd and runc).
+//! `HAKO_BENCH_ROUNDS` sets the number of pulls per runtime (default 5), `HAKO_BENCH_COLD`
+//! the cold starts per runtime and image (default 3; 0 skips that part), `HAKO_BENCH_LOG`
+//! hako's log filter (`hako::image=debug` prints where each layer's time went).
 
 mod common;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use common::{client, start_containerd, start_hako, start_hako_with};
+use common::{
+    client, start_containerd, start_containerd2, start_hako, start_hako_bin, start_hako_with,
+    Runtime,
+};
 use k8s_cri::v1 as cri;
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher, Tar};
 use support::registry::Registry;
@@ -61,6 +74,12 @@ fn bench_image() -> Image {
     Image::new(layers, &ImageConf::default(), false)
 }
 
+/// `HAKO_BENCH_BASE`: another hako binary (say, a build of the commit before a change) to run
+/// beside this one, with the default config.
+fn base_hako() -> Option<PathBuf> {
+    std::env::var_os("HAKO_BENCH_BASE").map(PathBuf::from)
+}
+
 fn du(p: &Path) -> u64 {
     let out = Command::new("du").args(["-sb"]).arg(p).output().unwrap();
     String::from_utf8_lossy(&out.stdout)
@@ -105,11 +124,20 @@ fn main() {
         let mut unsynced =
             start_hako_with(certs.path(), "warn", None, "[image]\nsync_layers = false\n");
         unsynced.name = "hako, sync_layers = false";
-        let runtimes = [
+        let mut runtimes = vec![
             start_hako(certs.path(), "warn", None),
             unsynced,
             start_containerd(certs.path(), None),
         ];
+        match common::containerd2_dir() {
+            Some(d) => runtimes.push(start_containerd2(&d, certs.path(), None)),
+            None => eprintln!("containerd 2.x not built (.ci/build-containerd.sh): left out"),
+        }
+        if let Some(bin) = base_hako() {
+            let mut base = start_hako_bin(&bin, certs.path(), "warn", None, "");
+            base.name = "hako, HAKO_BENCH_BASE build";
+            runtimes.insert(1, base);
+        }
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); runtimes.len()];
         let mut disk = vec![0u64; runtimes.len()];
         for round in 0..rounds {
@@ -157,5 +185,350 @@ fn main() {
                 disk[i] as f64 / 1e6
             );
         }
+        drop(runtimes);
+        let cold: usize = std::env::var("HAKO_BENCH_COLD")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(3);
+        if cold > 0 {
+            cold_starts(&reg, cold).await;
+        }
     });
+}
+
+/// About 210 MB of incompressible data: the busybox base and 4 layers of 50 × 1 MiB files.
+fn incompressible_image() -> Image {
+    let mut layers = vec![Layer::new(
+        &oci::busybox_base_tar(),
+        Compression::Gzip,
+        false,
+    )];
+    for li in 0..4u64 {
+        let mut t = Tar::default();
+        for i in 0..50u64 {
+            t.file(
+                &format!("data/l{li}/f{i}"),
+                &random_bytes(1 << 20, li * 1000 + i + 1),
+                0o644,
+            );
+        }
+        layers.push(Layer::new(&t.finish(), Compression::Gzip, false));
+    }
+    Image::new(layers, &ImageConf::default(), false)
+}
+
+fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// This machine's regular files under each root, in path order, until its budget of bytes: a
+/// deterministic stand-in for a distro image (libraries, data, documentation).
+fn distro_files(roots: &[(&str, u64)]) -> Vec<(PathBuf, u64)> {
+    fn walk(dir: &Path, out: &mut Vec<(PathBuf, u64)>, left: &mut u64) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        let mut entries: Vec<_> = rd.flatten().map(|e| e.path()).collect();
+        entries.sort();
+        for p in entries {
+            if *left == 0 {
+                return;
+            }
+            let Ok(md) = std::fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if md.is_dir() {
+                walk(&p, out, left);
+            } else if md.is_file() && std::fs::File::open(&p).is_ok() {
+                *left = left.saturating_sub(md.len());
+                out.push((p, md.len()));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for (root, budget) in roots {
+        let mut left = *budget;
+        walk(Path::new(root), &mut out, &mut left);
+    }
+    out
+}
+
+/// The busybox base and 6 layers of about equal size from `distro_files`, compressed with `c`.
+fn distro_image(files: &[(PathBuf, u64)], c: Compression) -> Image {
+    let mut layers = vec![Layer::new(&oci::busybox_base_tar(), c, false)];
+    let total: u64 = files.iter().map(|f| f.1).sum();
+    let per = total / 6 + 1;
+    let mut t = Tar::default();
+    let mut acc = 0u64;
+    for (p, len) in files {
+        t.host_file(p, &p.to_string_lossy());
+        acc += len;
+        if acc >= per {
+            layers.push(Layer::new(&std::mem::take(&mut t).finish(), c, false));
+            acc = 0;
+        }
+    }
+    if acc > 0 {
+        layers.push(Layer::new(&t.finish(), c, false));
+    }
+    Image::new(layers, &ImageConf::default(), false)
+}
+
+fn cold_pod_config(dir: &Path) -> cri::PodSandboxConfig {
+    // Host network and a PID namespace per container, as benches/pods.rs: no CNI in the path.
+    cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: "cold".into(),
+            uid: "uid-cold".into(),
+            namespace: "bench".into(),
+            attempt: 0,
+        }),
+        log_directory: dir.join("logs").display().to_string(),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    pid: cri::NamespaceMode::Container as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// One cold start on `r` (fresh, empty root): ms to the pull's end, to StartContainer's
+/// return and to the first log line; the root's size after.
+async fn cold_start(r: &Runtime, image: &str) -> (f64, f64, f64, u64) {
+    let mut c = client(&r.socket).await;
+    let cfg = cold_pod_config(r.dir.path());
+    let pod = c
+        .runtime
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: String::new(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{}: run pod: {e}", r.name))
+        .into_inner()
+        .pod_sandbox_id;
+    let log = r.dir.path().join("logs").join("c.log");
+    let t = Instant::now();
+    c.images
+        .pull_image(cri::PullImageRequest {
+            image: Some(cri::ImageSpec {
+                image: image.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{}: pull: {e}", r.name));
+    let pulled = t.elapsed().as_secs_f64() * 1e3;
+    let config = cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata {
+            name: "c".into(),
+            attempt: 0,
+        }),
+        image: Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        }),
+        command: vec![
+            "sh".into(),
+            "-c".into(),
+            "echo ready; exec sleep 3600".into(),
+        ],
+        log_path: "c.log".into(),
+        linux: cfg.linux.as_ref().map(|_| cri::LinuxContainerConfig {
+            security_context: Some(cri::LinuxContainerSecurityContext {
+                namespace_options: Some(cri::NamespaceOption {
+                    network: cri::NamespaceMode::Node as i32,
+                    pid: cri::NamespaceMode::Container as i32,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let id = c
+        .runtime
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(config),
+            sandbox_config: Some(cfg),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{}: create: {e}", r.name))
+        .into_inner()
+        .container_id;
+    c.runtime
+        .start_container(cri::StartContainerRequest { container_id: id })
+        .await
+        .unwrap_or_else(|e| panic!("{}: start: {e}", r.name));
+    let started = t.elapsed().as_secs_f64() * 1e3;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if std::fs::read(&log).is_ok_and(|b| b.contains(&b'\n')) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{}: no log line in {}",
+            r.name,
+            log.display()
+        );
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    let first_line = t.elapsed().as_secs_f64() * 1e3;
+    let disk = du(&r.root);
+    let _ = c
+        .runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await;
+    let _ = c
+        .runtime
+        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: pod,
+        })
+        .await;
+    (pulled, started, first_line, disk)
+}
+
+/// Starts a fresh runtime with an empty root.
+type Starter = Box<dyn Fn() -> Runtime>;
+/// A runtime's name, its pull, start and first-line times (ms), and its root dir's size.
+type Row = (String, Vec<f64>, Vec<f64>, Vec<f64>, u64);
+
+async fn cold_starts(reg: &Registry, rounds: usize) {
+    let pusher = Pusher::new(&reg.addr);
+    // containerd's sandboxes need a pause image; hako's do not.
+    let mut pause_tar = Tar::default();
+    pause_tar.file("pause", &support::standins::go_binary("pause"), 0o755);
+    let pause = Image::new(
+        vec![Layer::new(&pause_tar.finish(), Compression::Gzip, false)],
+        &ImageConf {
+            entrypoint: vec!["/pause".into()],
+            ..Default::default()
+        },
+        false,
+    );
+    for tag in ["3.6", "3.10"] {
+        pusher.push("pause", tag, &pause).await;
+    }
+    let t = Instant::now();
+    let files = distro_files(&[
+        ("/usr/lib/x86_64-linux-gnu", 200 << 20),
+        ("/usr/share", 120 << 20),
+    ]);
+    let images = [
+        ("incompressible, gzip", incompressible_image()),
+        (
+            "distro files, gzip",
+            distro_image(&files, Compression::Gzip),
+        ),
+        (
+            "distro files, zstd",
+            distro_image(&files, Compression::Zstd),
+        ),
+    ];
+    let mut names = Vec::new();
+    for (i, (what, img)) in images.iter().enumerate() {
+        pusher.push(&format!("bench/cold{i}"), "1", img).await;
+        let compressed: usize = img.layers.iter().map(|l| l.blob.len()).sum();
+        names.push(format!("{}/bench/cold{i}:1", reg.addr));
+        eprintln!(
+            "cold image {what}: {} layers, {:.1} MB compressed",
+            img.layers.len(),
+            compressed as f64 / 1e6
+        );
+    }
+    eprintln!(
+        "cold images built and pushed in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let mirror = support::standins::hosts_toml("registry.k8s.io", &reg.addr);
+    let certs = common::certs_for(&[
+        (&reg.addr, &format!("server = \"http://{}\"\n", reg.addr)),
+        ("registry.k8s.io", &mirror),
+    ]);
+    let ctrd2 = common::containerd2_dir();
+    let starters: Vec<(&str, Starter)> = {
+        let certs = certs.path().to_path_buf();
+        let mut v: Vec<(&str, Starter)> = Vec::new();
+        let c = certs.clone();
+        v.push(("hako", Box::new(move || start_hako(&c, "warn", None))));
+        if let Some(bin) = base_hako() {
+            let c = certs.clone();
+            v.push((
+                "hako base",
+                Box::new(move || {
+                    let mut r = start_hako_bin(&bin, &c, "warn", None, "");
+                    r.name = "hako, HAKO_BENCH_BASE build";
+                    r
+                }),
+            ));
+        }
+        if let Some(d) = ctrd2 {
+            let c = certs.clone();
+            v.push((
+                "containerd 2",
+                Box::new(move || start_containerd2(&d, &c, None)),
+            ));
+        }
+        let c = certs.clone();
+        v.push((
+            "containerd 1.6",
+            Box::new(move || start_containerd(&c, None)),
+        ));
+        v
+    };
+    println!("\ncold start: PullImage of an absent image to the container's first log line, fresh runtime and empty root each round, {rounds} rounds (ms, median [min–max]):");
+    println!("| image | runtime | pull | + create + start | first log line | root dir after |");
+    println!("|---|---|---|---|---|---|");
+    for (ii, (what, img)) in images.iter().enumerate() {
+        let mut rows: Vec<Row> = vec![(String::new(), vec![], vec![], vec![], 0); starters.len()];
+        for round in 0..rounds {
+            for (si, (_, start)) in starters.iter().enumerate() {
+                nix::unistd::sync();
+                let r = start();
+                let (p, s, f, d) = cold_start(&r, &names[ii]).await;
+                eprintln!("{what} round {round}: {:<16} pull {p:.0} ms, started {s:.0} ms, first line {f:.0} ms", r.name);
+                rows[si].0 = r.name.to_string();
+                rows[si].1.push(p);
+                rows[si].2.push(s);
+                rows[si].3.push(f);
+                rows[si].4 = d;
+            }
+        }
+        for (name, p, s, f, d) in rows.iter_mut() {
+            let fmt = |v: &mut Vec<f64>| {
+                let (min, med, max) = stats(v);
+                format!("{med:.0} [{min:.0}–{max:.0}]")
+            };
+            println!(
+                "| {what} ({:.0} MB compressed) | {name} | {} | {} | {} | {:.1} MB |",
+                img.layers.iter().map(|l| l.blob.len()).sum::<usize>() as f64 / 1e6,
+                fmt(p),
+                fmt(s),
+                fmt(f),
+                *d as f64 / 1e6
+            );
+        }
+    }
 }

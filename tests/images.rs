@@ -766,6 +766,65 @@ async fn kill_9_mid_pull_then_restart_is_clean() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layer_is_unpacked_while_it_downloads() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    // A small file first, then 2 MiB that gzip cannot shrink: the first 512 KiB of the blob
+    // (more than the download's 256 KiB write buffer) hold all of the small file and only the
+    // start of the big one.
+    let mut noise = Vec::with_capacity(2 << 20);
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    while noise.len() < 2 << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        noise.extend_from_slice(&x.to_le_bytes());
+    }
+    let mut t = oci::Tar::default();
+    t.file("first", b"1", 0o644).file("noise", &noise, 0o644);
+    let top = Layer::new(&t.finish(), Compression::Gzip, false);
+    let img = Image::new(
+        vec![Layer::new(base(), Compression::Gzip, false), top.clone()],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("split/img", "1", &img).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            split_blobs: vec![(top.digest.clone(), 512 << 10)],
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = Hako::start("");
+    let pulling = spawn_pull(&h, format!("{}/split/img:1", proxy.addr)).await;
+    // The layer's unpack directory already has the small file while the rest of the blob is
+    // held back: the unpack reads the download as it arrives.
+    let first_unpacked = || {
+        std::fs::read_dir(h.root.join("snapshots"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("tmp-"))
+            .any(|e| e.path().join("fs/first").is_file())
+    };
+    wait_until("the top layer's first file unpacked mid-download", || {
+        proxy.held() == 1 && first_unpacked()
+    })
+    .await;
+    proxy.release(1);
+    let id = pulling.await.unwrap().unwrap().into_inner().image_ref;
+    assert_eq!(id, img.id());
+    assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
+    let info = verbose_info(&h, &id).await;
+    let top_fs = info["snapshots"][1].as_str().unwrap().to_string();
+    assert_eq!(std::fs::read(format!("{top_fs}/noise")).unwrap(), noise);
+}
+
 /// A tar of one one-byte file whose name is written raw (up to 100 bytes), below the tar
 /// builder's own checks.
 fn raw_entry_tar(name: &str) -> Vec<u8> {

@@ -59,6 +59,24 @@ pub fn start_hako(certs: &Path, log: &str, cni_conf: Option<&Path>) -> Runtime {
 
 /// As `start_hako`, with `extra` appended to its config file (whole TOML tables).
 pub fn start_hako_with(certs: &Path, log: &str, cni_conf: Option<&Path>, extra: &str) -> Runtime {
+    start_hako_bin(
+        Path::new(env!("CARGO_BIN_EXE_hako")),
+        certs,
+        log,
+        cni_conf,
+        extra,
+    )
+}
+
+/// As `start_hako_with`, running the hako binary `bin` (e.g. an earlier build, for a before
+/// and after in one run).
+pub fn start_hako_bin(
+    bin: &Path,
+    certs: &Path,
+    log: &str,
+    cni_conf: Option<&Path>,
+    extra: &str,
+) -> Runtime {
     let dir = tempfile::tempdir_in("/var/tmp").unwrap();
     let socket = dir.path().join("hako.sock");
     let root = dir.path().join("root");
@@ -81,7 +99,7 @@ pub fn start_hako_with(certs: &Path, log: &str, cni_conf: Option<&Path>, extra: 
         ),
     )
     .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hako"))
+    let mut child = Command::new(bin)
         .args(["serve", "--config"])
         .arg(&cfg)
         // HAKO_BENCH_LOG: a tracing filter for hako during the benchmark (e.g. for timings).
@@ -176,5 +194,86 @@ pub async fn client(socket: &Path) -> Clients {
     Clients {
         runtime: RuntimeServiceClient::new(ch.clone()).max_decoding_message_size(64 << 20),
         images: ImageServiceClient::new(ch).max_decoding_message_size(64 << 20),
+    }
+}
+
+/// Where `.ci/build-containerd.sh` left containerd 2.x and its runc shim:
+/// `HAKO_BENCH_CONTAINERD2`, else /var/tmp/hako-containerd-v2.2.1 (the script's cache dir in
+/// the docs). None when it is not built: the benchmarks then compare with 1.6 only.
+pub fn containerd2_dir() -> Option<PathBuf> {
+    let dir = std::env::var_os("HAKO_BENCH_CONTAINERD2")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/hako-containerd-v2.2.1"));
+    (dir.join("containerd").is_file() && dir.join("containerd-shim-runc-v2").is_file())
+        .then_some(dir)
+}
+
+/// containerd 2.x from `bin_dir` (see [`containerd2_dir`]) with its CRI plugins, configured
+/// as [`start_containerd`] configures 1.6 (config version 3). Its shim is found on PATH.
+pub fn start_containerd2(bin_dir: &Path, certs: &Path, cni_conf: Option<&Path>) -> Runtime {
+    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let socket = dir.path().join("containerd.sock");
+    let root = dir.path().join("root");
+    let cfg = dir.path().join("config.toml");
+    let cni = match cni_conf {
+        Some(c) => format!(
+            "[plugins.'io.containerd.cri.v1.runtime'.cni]\n  bin_dirs = [\"/usr/lib/cni\"]\n  conf_dir = \"{}\"\n",
+            c.display()
+        ),
+        None => String::new(),
+    };
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"version = 3
+root = "{root}"
+state = "{state}"
+[grpc]
+  address = "{sock}"
+[ttrpc]
+  address = "{sock}.ttrpc"
+# Another containerd may run beside it: no shared NRI socket.
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+[plugins.'io.containerd.cri.v1.images']
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "registry.k8s.io/pause:3.10"
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = "{certs}"
+[plugins.'io.containerd.cri.v1.runtime']
+  restrict_oom_score_adj = true
+{cni}"#,
+            root = root.display(),
+            state = dir.path().join("state").display(),
+            sock = socket.display(),
+            certs = certs.display()
+        ),
+    )
+    .unwrap();
+    let version = std::fs::read_to_string(bin_dir.join(".containerd-version"))
+        .map(|v| v.trim().trim_start_matches('v').to_string())
+        .unwrap_or_else(|_| "2.x".into());
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let log = std::fs::File::create(dir.path().join("containerd.log")).unwrap();
+    let mut child = Command::new(bin_dir.join("containerd"))
+        .arg("--config")
+        .arg(&cfg)
+        .env("PATH", path)
+        .stdout(Stdio::from(log.try_clone().unwrap()))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap();
+    wait_socket(&socket, &mut child, "containerd 2");
+    Runtime {
+        // One name per process run; a handful of runtimes are started.
+        name: Box::leak(format!("containerd {version}").into_boxed_str()),
+        socket,
+        child,
+        root,
+        dir,
     }
 }

@@ -157,7 +157,7 @@ struct Inner {
     config: ImageConfig,
     clients: registry::Clients,
     /// Layers being fetched and unpacked, by chain id, shared by every pull that needs them.
-    inflight: Mutex<HashMap<String, pull::LayerFuture>>,
+    inflight: Mutex<HashMap<String, pull::LayerTask>>,
     /// Chain ids and content digests that pulls in progress hold against GC.
     leases: Mutex<HashMap<u64, Vec<String>>>,
     next_lease: AtomicU64,

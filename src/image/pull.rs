@@ -4,9 +4,11 @@
 //! Each layer is one spawned task keyed by chain id in `Inner::inflight`: a second pull of the
 //! same image (or of another image sharing a layer) awaits the same task instead of downloading
 //! again. Downloads of one image run in parallel (bounded by `max_concurrent_downloads`); each
-//! layer is unpacked as soon as it is downloaded and the layer below it is unpacked, since its
-//! paths resolve through the layers below. A task runs to completion even if every pull that
-//! asked for it is cancelled, so a half-written directory is never left to a dropped future.
+//! layer's unpack starts once the layer below it is unpacked and in place (its paths resolve
+//! through the layers below) and reads the download as it arrives. The layer below need not be
+//! synced and recorded yet: its `syncfs` overlaps this unpack, and each layer is still recorded
+//! only after a sync that covers its files. A task runs to completion even if every pull that asked
+//! for it is cancelled, so a half-written directory is never left to a dropped future.
 
 use std::future::Future;
 use std::os::fd::AsRawFd;
@@ -29,6 +31,15 @@ use crate::error::{chain, Error, Result};
 use crate::store::{ImageRecord, SnapshotRecord, RECORD_VERSION};
 
 pub(super) type LayerFuture = Shared<BoxFuture<'static, Result<(), Arc<Error>>>>;
+
+/// A layer task's two milestones: `placed` when its snapshot directory is complete and in its
+/// final place (the layers above may unpack over it), `done` when it is also synced (with
+/// `image.sync_layers`) and recorded.
+#[derive(Clone)]
+pub(super) struct LayerTask {
+    pub(super) placed: LayerFuture,
+    pub(super) done: LayerFuture,
+}
 
 const MEDIA_OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
 const MEDIA_DOCKER_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
@@ -294,9 +305,9 @@ impl Images {
                 lowers: chains[..i].iter().rev().cloned().collect(),
                 parent: prev.clone(),
             };
-            let fut = self.layer(job);
-            prev = Some(fut.clone());
-            futs.push(fut);
+            let task = self.layer(job);
+            prev = Some(task.placed);
+            futs.push(task.done);
         }
         for r in futures::future::join_all(futs).await {
             r.map_err(|e| duplicate(&e))?;
@@ -427,30 +438,40 @@ impl Images {
     }
 
     /// The shared task that makes `job.chain_id` exist as a snapshot.
-    fn layer(&self, job: LayerJob) -> LayerFuture {
+    fn layer(&self, job: LayerJob) -> LayerTask {
         let mut inflight = self.inner.inflight.lock().expect("inflight poisoned");
-        if let Some(f) = inflight.get(&job.chain_id) {
-            return f.clone();
+        if let Some(t) = inflight.get(&job.chain_id) {
+            return t.clone();
         }
         if matches!(self.inner.store.snapshot(&job.chain_id), Ok(Some(_)))
             && self.snapshot_fs(&job.chain_id).is_dir()
         {
-            return futures::future::ready(Ok(())).boxed().shared();
+            let ready = futures::future::ready(Ok(())).boxed().shared();
+            return LayerTask {
+                placed: ready.clone(),
+                done: ready,
+            };
         }
         let chain_id = job.chain_id.clone();
         let images = self.clone();
+        let (placed_tx, placed_rx) = tokio::sync::oneshot::channel();
         let handle = tokio::spawn(async move {
             let chain_id = job.chain_id.clone();
-            let r = job.run().await;
+            let mut placed = Some(placed_tx);
+            let r = job.run(&mut placed).await.map_err(Arc::new);
+            // Failed before its snapshot was in place: the layers above learn why.
+            if let Some(tx) = placed.take() {
+                let _ = tx.send(r.clone());
+            }
             images
                 .inner
                 .inflight
                 .lock()
                 .expect("inflight poisoned")
                 .remove(&chain_id);
-            r.map_err(Arc::new)
+            r
         });
-        let fut = async move {
+        let done = async move {
             match handle.await {
                 Ok(r) => r,
                 Err(e) => Err(Arc::new(Error::Internal(format!("layer task: {e}")))),
@@ -458,8 +479,19 @@ impl Images {
         }
         .boxed()
         .shared();
-        inflight.insert(chain_id, fut.clone());
-        fut
+        let placed = async move {
+            match placed_rx.await {
+                Ok(r) => r,
+                Err(_) => Err(Arc::new(Error::Internal(
+                    "layer task ended without a result".into(),
+                ))),
+            }
+        }
+        .boxed()
+        .shared();
+        let task = LayerTask { placed, done };
+        inflight.insert(chain_id, task.clone());
+        task
     }
 }
 
@@ -477,6 +509,7 @@ struct LayerJob {
     diff_id: String,
     /// Chain ids of the layers below, topmost first.
     lowers: Vec<String>,
+    /// The layer below being in place (`LayerTask::placed`).
     parent: Option<LayerFuture>,
 }
 
@@ -507,41 +540,55 @@ impl Drop for Cleanup {
 }
 
 impl LayerJob {
-    async fn run(self) -> Result<()> {
+    /// Fetches, unpacks, syncs and records the layer; says so on `placed` (taking it) once the
+    /// snapshot is complete and in place.
+    async fn run(self, placed: &mut Option<PlacedTx>) -> Result<()> {
         let inner = &self.images.inner;
+        let queued = Instant::now();
         let limit = Duration::from_secs(inner.config.pull_progress_timeout_secs);
         let ingest = inner
             .ingest_dir
             .join(format!("{}-{}", hex_of(&self.digest), unique()));
         let _ingest_cleanup = Cleanup(Some(ingest.clone()));
-        {
-            let _permit = inner
-                .downloads
-                .acquire()
-                .await
-                .map_err(|_| Error::Internal("download semaphore closed".into()))?;
-            let file = tokio::fs::File::create(&ingest)
-                .await
-                .map_err(|e| Error::io("create", &ingest, e))?;
-            let progress = Progress::new();
-            let mut writer = ProgressWriter {
-                inner: tokio::io::BufWriter::with_capacity(256 * 1024, file),
-                progress: progress.clone(),
-            };
-            until_stalled(
-                self.source
-                    .blob("layer", &self.digest, self.size, &mut writer),
-                &progress,
-                limit,
-                || format!("download layer {}", self.digest),
-            )
-            .await?;
-        }
-        if let Some(parent) = self.parent.clone() {
-            parent
-                .await
-                .map_err(|e| duplicate(&e).context(format!("layer below {}", self.digest)))?;
-        }
+        // Created before the download may start, so the unpack can open it as soon as the
+        // layer below is in place and read it while it grows.
+        let file = std::fs::File::create(&ingest).map_err(|e| Error::io("create", &ingest, e))?;
+        let growth = Arc::new(Growth::default());
+        let download = {
+            let growth = growth.clone();
+            let (source, digest, size) = (&self.source, &self.digest, self.size);
+            async move {
+                // Says Failed to the reader on every way out but success.
+                let mut outcome = GrowthGuard(growth.clone(), GrowthState::Failed);
+                let _permit = inner
+                    .downloads
+                    .acquire()
+                    .await
+                    .map_err(|_| Error::Internal("download semaphore closed".into()))?;
+                let progress = Progress::new();
+                let mut writer = ProgressWriter {
+                    inner: tokio::io::BufWriter::with_capacity(
+                        256 * 1024,
+                        GrowingWriter {
+                            inner: tokio::fs::File::from_std(file),
+                            growth,
+                        },
+                    ),
+                    progress: progress.clone(),
+                };
+                until_stalled(
+                    source.blob("layer", digest, size, &mut writer),
+                    &progress,
+                    limit,
+                    || format!("download layer {digest}"),
+                )
+                .await?;
+                // `blob` flushed: every byte is in the file before the reader hears Done.
+                drop(writer);
+                outcome.1 = GrowthState::Done;
+                Ok::<_, Error>(Instant::now())
+            }
+        };
         let final_dir = self.images.snapshot_dir(&self.chain_id);
         let tmp = inner.snapshots_dir.join(format!(
             "tmp-{}-{}",
@@ -550,29 +597,48 @@ impl LayerJob {
             unique()
         ));
         let mut tmp_cleanup = Cleanup(Some(tmp.clone()));
-        let lowers: Vec<PathBuf> = self
-            .lowers
-            .iter()
-            .map(|c| self.images.snapshot_fs(c))
-            .collect();
-        let fs_dir = tmp.join("fs");
-        let diff_id = self.diff_id.clone();
-        let digest = self.digest.clone();
-        let limits = super::unpack::Limits {
-            max_bytes: inner.config.max_layer_unpacked_bytes,
-            max_entries: inner.config.max_layer_entries,
+        let unpack = async {
+            if let Some(parent) = self.parent.clone() {
+                parent
+                    .await
+                    .map_err(|e| duplicate(&e).context(format!("layer below {}", self.digest)))?;
+            }
+            let lowers: Vec<PathBuf> = self
+                .lowers
+                .iter()
+                .map(|c| self.images.snapshot_fs(c))
+                .collect();
+            let fs_dir = tmp.join("fs");
+            let diff_id = self.diff_id.clone();
+            let digest = self.digest.clone();
+            let limits = super::unpack::Limits {
+                max_bytes: inner.config.max_layer_unpacked_bytes,
+                max_entries: inner.config.max_layer_entries,
+            };
+            let ingest = ingest.clone();
+            let growth = growth.clone();
+            let started = Instant::now();
+            let unpacked =
+                tokio::task::spawn_blocking(move || -> Result<super::unpack::Unpacked> {
+                    std::fs::create_dir_all(&fs_dir)
+                        .map_err(|e| Error::io("create directory", &fs_dir, e))?;
+                    let f =
+                        std::fs::File::open(&ingest).map_err(|e| Error::io("open", &ingest, e))?;
+                    let r = GrowingReader { file: f, growth };
+                    super::unpack::unpack_layer(r, &fs_dir, &lowers, &diff_id, limits).map_err(
+                        |e| Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e))),
+                    )
+                })
+                .await
+                .map_err(|e| Error::Internal(format!("unpack task: {e}")))??;
+            Ok::<_, Error>((started, unpacked))
         };
-        let started = Instant::now();
-        let unpacked = tokio::task::spawn_blocking(move || -> Result<super::unpack::Unpacked> {
-            std::fs::create_dir_all(&fs_dir)
-                .map_err(|e| Error::io("create directory", &fs_dir, e))?;
-            let f = std::fs::File::open(&ingest).map_err(|e| Error::io("open", &ingest, e))?;
-            super::unpack::unpack_layer(f, &fs_dir, &lowers, &diff_id, limits).map_err(|e| {
-                Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e)))
-            })
-        })
-        .await
-        .map_err(|e| Error::Internal(format!("unpack task: {e}")))??;
+        // The unpack reads the download as it arrives; the layer's content is trusted only
+        // once both finished: the download's digest check, then the unpack's diff-id check.
+        // A failed download explains a failed unpack (it read a cut or foreign stream).
+        let (downloaded, unpacked) = tokio::join!(download, unpack);
+        let downloaded = downloaded?;
+        let (started, unpacked) = unpacked?;
         let in_use = final_dir.exists() && inner.store.pinned()?.contains(&self.chain_id);
         if in_use {
             // A record-less snapshot a container still runs on (its record was adopted after
@@ -591,6 +657,10 @@ impl LayerJob {
         }
         // A failure below removes what this pull put in place, never a snapshot in use.
         let mut final_cleanup = Cleanup((!in_use).then(|| final_dir.clone()));
+        let unpacked_at = Instant::now();
+        if let Some(tx) = placed.take() {
+            let _ = tx.send(Ok(()));
+        }
         if inner.config.sync_layers {
             // The record below says the layer is complete: its files, and the rename that
             // put them in place, must be on disk first, or a power loss leaves a "complete"
@@ -611,8 +681,126 @@ impl LayerJob {
             usage_inodes: unpacked.usage_inodes,
         })?;
         final_cleanup.disarm();
-        tracing::debug!(layer = %self.digest, chain_id = %self.chain_id, unpack_ms = started.elapsed().as_millis() as u64, "layer ready");
+        let ms = |from: Instant, to: Instant| to.duration_since(from).as_millis() as u64;
+        tracing::debug!(
+            layer = %self.digest,
+            chain_id = %self.chain_id,
+            download_ms = ms(queued, downloaded),
+            wait_below_ms = ms(queued, started),
+            unpack_ms = ms(started, unpacked_at),
+            sync_and_record_ms = unpacked_at.elapsed().as_millis() as u64,
+            "layer ready"
+        );
         Ok(())
+    }
+}
+
+type PlacedTx = tokio::sync::oneshot::Sender<Result<(), Arc<Error>>>;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum GrowthState {
+    Running,
+    Done,
+    Failed,
+}
+
+/// How far a layer's download into its ingest file is, for the unpack reading it meanwhile.
+#[derive(Debug)]
+struct Growth {
+    state: std::sync::Mutex<GrowthState>,
+    grew: std::sync::Condvar,
+}
+
+impl Default for Growth {
+    fn default() -> Self {
+        Growth {
+            state: std::sync::Mutex::new(GrowthState::Running),
+            grew: std::sync::Condvar::new(),
+        }
+    }
+}
+
+impl Growth {
+    fn set(&self, s: GrowthState) {
+        *self.state.lock().expect("growth poisoned") = s;
+        self.grew.notify_all();
+    }
+}
+
+/// Sets the download's final state when dropped (Failed unless changed).
+struct GrowthGuard(Arc<Growth>, GrowthState);
+
+impl Drop for GrowthGuard {
+    fn drop(&mut self) {
+        self.0.set(self.1);
+    }
+}
+
+/// The ingest file's writer: wakes the reader whenever bytes went out.
+struct GrowingWriter {
+    inner: tokio::fs::File,
+    growth: Arc<Growth>,
+}
+
+impl AsyncWrite for GrowingWriter {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(_))) {
+            self.growth.grew.notify_all();
+        }
+        r
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        if matches!(r, Poll::Ready(Ok(()))) {
+            self.growth.grew.notify_all();
+        }
+        r
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// Reads an ingest file while its download writes it: at its current end, waits for more
+/// until the download is done (then the end is the end) or failed (an error).
+struct GrowingReader {
+    file: std::fs::File,
+    growth: Arc<Growth>,
+}
+
+impl std::io::Read for GrowingReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let n = self.file.read(buf)?;
+            if n > 0 || buf.is_empty() {
+                return Ok(n);
+            }
+            let state = self.growth.state.lock().expect("growth poisoned");
+            match *state {
+                // Everything was written before Done was said: what is left is in the file.
+                GrowthState::Done => {
+                    drop(state);
+                    return self.file.read(buf);
+                }
+                GrowthState::Failed => {
+                    return Err(std::io::Error::other("the layer's download failed"))
+                }
+                // The writer's file writes complete in the background, after its wake-up:
+                // look again soon even without one.
+                GrowthState::Running => {
+                    let _ = self
+                        .growth
+                        .grew
+                        .wait_timeout(state, Duration::from_millis(5))
+                        .expect("growth poisoned");
+                }
+            }
+        }
     }
 }
 
@@ -637,6 +825,7 @@ pub(super) fn unique() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Read;
 
     #[test]
     fn chain_ids_follow_the_oci_definition() {
@@ -648,6 +837,65 @@ mod tests {
             Sha256::digest(format!("{} {}", d('a'), d('b')).as_bytes())
         );
         assert_eq!(ids[1], expect);
+    }
+
+    #[test]
+    fn a_growing_ingest_file_is_read_to_the_end_of_its_download() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ingest");
+        let mut file = std::fs::File::create(&path).unwrap();
+        let growth = Arc::new(Growth::default());
+        let mut r = GrowingReader {
+            file: std::fs::File::open(&path).unwrap(),
+            growth: growth.clone(),
+        };
+        let (ack, acked) = std::sync::mpsc::channel::<()>();
+        let writer = std::thread::spawn({
+            let growth = growth.clone();
+            move || {
+                for i in 0..20u8 {
+                    // The reader asks for this chunk before it is written: it waits at the
+                    // end of the file instead of calling it the end.
+                    acked.recv().unwrap();
+                    file.write_all(&[i; 1000]).unwrap();
+                    growth.grew.notify_all();
+                }
+                acked.recv().unwrap();
+                growth.set(GrowthState::Done);
+            }
+        });
+        for i in 0..20u8 {
+            ack.send(()).unwrap();
+            let mut chunk = [0u8; 1000];
+            r.read_exact(&mut chunk).unwrap();
+            assert_eq!(chunk, [i; 1000]);
+        }
+        ack.send(()).unwrap();
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).unwrap();
+        assert!(rest.is_empty());
+        writer.join().unwrap();
+    }
+
+    #[test]
+    fn a_failed_download_is_an_error_to_its_reader() {
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ingest");
+        let mut file = std::fs::File::create(&path).unwrap();
+        file.write_all(b"partial").unwrap();
+        let growth = Arc::new(Growth::default());
+        let mut r = GrowingReader {
+            file: std::fs::File::open(&path).unwrap(),
+            growth: growth.clone(),
+        };
+        // Dropped without being told Done, as on every failure of the download.
+        drop(GrowthGuard(growth, GrowthState::Failed));
+        let mut got = Vec::new();
+        let err = r.read_to_end(&mut got).unwrap_err();
+        assert_eq!(got, b"partial");
+        assert!(err.to_string().contains("download failed"), "{err}");
     }
 
     #[tokio::test]

@@ -45,6 +45,9 @@ pub struct Behaviour {
     pub long_blobs: Vec<(String, usize)>,
     /// Blob digests whose download never ends (zeros, no Content-Length; `ENDLESS_CAP`).
     pub endless_blobs: Vec<String>,
+    /// Blob digests served in two parts: their first `n` bytes, then the rest once the test
+    /// lets a held download through (`Proxy::release`), one Content-Length for the whole.
+    pub split_blobs: Vec<(String, usize)>,
 }
 
 /// A request as the proxy received it.
@@ -417,6 +420,39 @@ async fn handle(
             &body,
         )
         .await;
+    }
+    if let Some((_, first)) = b
+        .split_blobs
+        .iter()
+        .find(|(d, _)| req.is_blob(std::slice::from_ref(d)))
+    {
+        let real = reqwest::get(format!("http://{upstream}{}", req.path))
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        let head = format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            real.len()
+        );
+        let first = (*first).min(real.len());
+        if s.write_all(head.as_bytes()).await.is_err()
+            || s.write_all(&real[..first]).await.is_err()
+            || s.flush().await.is_err()
+        {
+            return;
+        }
+        let now = stats.held.fetch_add(1, Ordering::SeqCst) + 1;
+        stats.max_held.fetch_max(now, Ordering::SeqCst);
+        let permit = gate.acquire().await;
+        stats.held.fetch_sub(1, Ordering::SeqCst);
+        match permit {
+            Ok(p) => p.forget(),
+            Err(_) => return,
+        }
+        let _ = s.write_all(&real[first..]).await;
+        return;
     }
     if req.is_blob(&b.gate_blobs) {
         let now = stats.held.fetch_add(1, Ordering::SeqCst) + 1;

@@ -1042,3 +1042,32 @@ fn disk_usage_measures_deep_trees_and_follows_no_symlink() {
     std::os::unix::fs::symlink(&host, l.join("out")).unwrap();
     assert_eq!(disk_usage(&l).unwrap(), (bytes, inodes + 1));
 }
+
+#[test]
+fn a_directory_replaced_mid_layer_is_resolved_again_for_the_next_files() {
+    // Files of one directory reuse its resolution; an entry replacing that directory with a
+    // symlink (or a whiteout of it) must send the next files through the new path.
+    let root = tempfile::tempdir().unwrap();
+    let l = layer_dir(&root, "l");
+    let t = tarball(&[
+        E::Dir("c", 0o755),
+        E::File("a/b/f1", b"1", 0o644),
+        E::File("a/b/f2", b"2", 0o644),
+        E::Symlink("a/b", "../c"),
+        E::File("a/b/f3", b"3", 0o644),
+        E::File("a/b/f4", b"4", 0o644),
+        E::File("d/g1", b"1", 0o644),
+        E::File("d/.wh.g1", b"", 0o644),
+        E::File("d/g2", b"2", 0o644),
+    ]);
+    unpack(&t, &l, &[]).unwrap();
+    assert_eq!(fs::read_link(l.join("a/b")).unwrap(), Path::new("../c"));
+    assert_eq!(fs::read(l.join("c/f3")).unwrap(), b"3");
+    assert_eq!(fs::read(l.join("c/f4")).unwrap(), b"4");
+    assert!(!l.join("c/f1").exists());
+    assert!(fs::symlink_metadata(l.join("d/g1"))
+        .unwrap()
+        .file_type()
+        .is_char_device());
+    assert_eq!(fs::read(l.join("d/g2")).unwrap(), b"2");
+}
