@@ -1355,6 +1355,209 @@ async fn a_stuck_monitor_fails_calls_with_deadline_exceeded_instead_of_hanging()
     assert_no_leaks(&h, &pod);
 }
 
+/// The pod's state as ListPodSandbox reports it.
+async fn pod_state(rt: &mut Rt, pod: &str) -> i32 {
+    rt.list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .expect("ListPodSandbox")
+        .into_inner()
+        .items
+        .into_iter()
+        .find(|i| i.id == pod)
+        .expect("the pod is listed")
+        .state
+}
+
+/// A container's exit reaches the daemon when its monitor records it, without any call
+/// asking for it: with no CRI call between the start and the monitor being stopped, lists
+/// and ContainerStatus report the exit and its code (from the daemon's own state; a stopped
+/// monitor answers nothing).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exit_reaches_lists_and_status_without_asking_the_monitor() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("told", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let monitor = monitor_pid(&mut rt, &pod).await;
+    let running = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("running", &["sleep", "300"]),
+    )
+    .await;
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("ends", &["sh", "-c", "sleep 0.3; exit 7"]),
+    )
+    .await;
+    support::wait_for(
+        "the daemon to hear of the exit from the monitor",
+        Duration::from_secs(30),
+        || {
+            h.log_text()
+                .lines()
+                .any(|l| l.contains("container exit reported by its monitor") && l.contains(&id))
+        },
+    )
+    .await;
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let resume = Resume(monitor);
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    let state = |c: &str| listed.iter().find(|l| l.id == c).expect("listed").state;
+    assert_eq!(state(&id), cri::ContainerState::ContainerExited as i32);
+    assert_eq!(
+        state(&running),
+        cri::ContainerState::ContainerRunning as i32
+    );
+    let st = status(&mut rt, &id).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    assert_eq!(st.exit_code, 7);
+    assert!(st.finished_at > st.started_at, "{st:?}");
+    drop(resume);
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// A monitor killed with SIGKILL turns its pod NotReady in ListPodSandbox, and its running
+/// container Unknown in ListContainers, with no other call made (its watcher's connection
+/// ends with it).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_monitor_turns_its_pod_not_ready_in_the_list() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("killed", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("c", &["sleep", "302"]),
+    )
+    .await;
+    assert_eq!(
+        pod_state(&mut rt, &pod).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    kill_monitor(&mut rt, &pod).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while pod_state(&mut rt, &pod).await != cri::PodSandboxState::SandboxNotready as i32 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pod of a killed monitor was never reported NotReady"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    let c = listed.iter().find(|c| c.id == id).expect("listed");
+    assert_eq!(c.state, cri::ContainerState::ContainerUnknown as i32);
+    assert!(h.log_text().contains("pod monitor is gone"), "logged");
+    support::wait_for(
+        "the unwatched container process to be killed",
+        Duration::from_secs(30),
+        || processes_with_cmdline(&["sleep", "302"]) == 0,
+    )
+    .await;
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// The daemon restarts having lost its store while one of several pods' monitors is stuck
+/// (SIGSTOPped): the start asks the monitors at once, so every other pod is adopted before
+/// the stuck one's deadline runs out (its "did not answer" comes last in the log, though its
+/// pod's directory is the first the start reads). Once it answers, the next start adopts it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_start_with_a_stuck_monitor_adopts_the_others_without_waiting_for_it() {
+    let Some((_reg, mut h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let mut pods = Vec::new();
+    for i in 0..4 {
+        let cfg = pod_config(&format!("adopt-{i}"), logs.path());
+        let pod = run_pod(&mut rt, &cfg).await;
+        run_container(
+            &mut rt,
+            &pod,
+            &cfg,
+            container_config("c", &["sleep", "303"]),
+        )
+        .await;
+        pods.push(pod);
+    }
+    pods.sort();
+    let stuck = pods[0].clone();
+    let monitor = monitor_pid(&mut rt, &stuck).await;
+    h.kill9();
+    std::fs::remove_file(h.root.join("meta.db")).unwrap();
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let resume = Resume(monitor);
+    h.restart();
+    let mut rt = h.runtime().await;
+    let log = h.log_text();
+    let line_of = |what: &str, pod: &str| {
+        log.lines()
+            .position(|l| l.contains(what) && l.contains(pod))
+            .unwrap_or_else(|| panic!("no {what:?} for pod {pod} in the log:\n{log}"))
+    };
+    let silent = line_of("pod monitor did not answer at start", &stuck);
+    for p in &pods[1..] {
+        assert!(
+            line_of("adopted a running pod whose record was lost", p) < silent,
+            "pod {p} was adopted only after the stuck monitor's deadline:\n{log}"
+        );
+    }
+    let listed = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .items;
+    for p in &pods[1..] {
+        let item = listed
+            .iter()
+            .find(|i| i.id == *p)
+            .expect("adopted pod listed");
+        assert_eq!(item.state, cri::PodSandboxState::SandboxReady as i32);
+    }
+    // Resumed, the stuck monitor's pod is adopted by the next start.
+    drop(resume);
+    h.kill9();
+    h.restart();
+    let mut rt = h.runtime().await;
+    for p in &pods {
+        assert_eq!(
+            pod_state(&mut rt, p).await,
+            cri::PodSandboxState::SandboxReady as i32
+        );
+    }
+    for p in &pods {
+        remove_pod(&mut rt, p).await;
+    }
+    for p in &pods {
+        assert_no_leaks(&h, p);
+    }
+}
+
 /// Resumes a SIGSTOPped monitor when dropped, so a failing test does not leave it stopped.
 struct Resume(nix::unistd::Pid);
 
@@ -1400,6 +1603,16 @@ async fn a_stuck_monitor_reports_its_pod_not_ready_and_holds_up_no_other_pod() {
             cri::PodSandboxState::SandboxReady as i32
         }
     };
+    // Its watcher notices once the monitor misses its heartbeat; lists keep answering
+    // meanwhile.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while pod_state(&mut rt, &stuck).await != cri::PodSandboxState::SandboxNotready as i32 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stuck pod was never reported NotReady"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let listed = rt
         .list_pod_sandbox(cri::ListPodSandboxRequest::default())
         .await

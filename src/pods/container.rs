@@ -1,9 +1,9 @@
 //! The container room: CreateContainer (gathering from the host what the pure spec in
 //! spec.rs needs, then the bundle and the monitor's create), Start/Stop/Update/Remove,
-//! status and list, ExecSync and ReopenContainerLog. Reads for lists and statuses ask the
-//! monitors within a short deadline, all at once (`survey`): a stuck monitor costs a list one
-//! deadline, its pod is reported NotReady and its containers as last recorded (as containerd
-//! reports from its own store), and the pods that answer are not held up.
+//! status and list, ExecSync and ReopenContainerLog. Lists and statuses ask no monitor: they
+//! read the records and what each pod's watcher last heard from its monitor (`survey`,
+//! live.rs); a stuck monitor's pod is reported NotReady and its containers as last recorded
+//! (as containerd reports from its own store).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -480,35 +480,22 @@ impl Runtime {
         Ok(())
     }
 
-    /// Current view of a container: live from its monitor while the pod runs.
+    /// Current view of a container: its record with what its monitor last reported.
     pub async fn container(&self, id: &str) -> Result<ContainerView> {
-        let mut c = self.container_record(id)?;
+        let c = self.container_record(id)?;
         let mut pid = 0;
         if let Ok(pod) = self.pod_of(&c) {
-            if pod.state == PodState::Ready {
-                match self.monitor(&pod).read_state(&c.id).await {
-                    Ok(s) => {
-                        if s.status == pb::Status::Running as i32 {
-                            pid = s.pid;
-                        }
-                        // Written back only while the record exists: a removal that won
-                        // the race stays a removal.
-                        c = self
-                            .store
-                            .update(Table::Containers, &c.id, |r| apply_state(r, &s))?
-                            .ok_or_else(|| {
-                                Error::NotFound(format!("container {} not found", c.id))
-                            })?;
-                    }
-                    Err(e) => {
-                        tracing::warn!(container = %c.id, error = %chain(&e), "monitor unreachable");
-                        // A monitor that is gone is noticed here too, not only by the next
-                        // relist: the record then says what its monitor recorded.
-                        self.check_monitor(&pod, &e)?;
-                        c = self.container_record(id)?;
-                    }
+            let survey = self.survey(std::slice::from_ref(&pod)).await?;
+            if let Some(s) = survey.live.get(&c.id) {
+                if s.status == pb::Status::Running as i32 {
+                    pid = s.pid;
                 }
             }
+            let views = self.container_views_of(&survey, vec![self.container_record(&c.id)?])?;
+            if let Some(v) = views.into_iter().next() {
+                return Ok(ContainerView { pid, ..v });
+            }
+            return Err(Error::NotFound(format!("container {} not found", c.id)));
         }
         Ok(ContainerView {
             state: c.state,
@@ -525,37 +512,33 @@ impl Runtime {
         self.container_views(&survey)
     }
 
-    /// Asks the monitors of the Ready pods among `pods` for their containers' states, all at
-    /// once, each within the read deadline: a stuck monitor costs one deadline in all, and
-    /// nothing to the pods that answer. A monitor found gone turns its pod NotReady
-    /// (recovery.rs); one that is alive but silent leaves its records as they are.
+    /// What the monitors of the Ready pods among `pods` last reported (live.rs): no monitor
+    /// is asked. A monitor its watcher found no longer listening is handed to recovery
+    /// (`check_monitor`: its pod turns NotReady); one that missed its deadline leaves its
+    /// records as they are and its pod reported NotReady, with why.
     pub(super) async fn survey(&self, pods: &[PodRecord]) -> Result<Survey> {
-        let ready: Vec<&PodRecord> = pods.iter().filter(|p| p.state == PodState::Ready).collect();
-        let answers = futures::future::join_all(ready.iter().map(|p| {
-            let m = self.monitor(p);
-            async move { m.read_info().await }
-        }))
-        .await;
         let mut survey = Survey::default();
-        for (pod, answer) in ready.into_iter().zip(answers) {
-            match answer {
-                Ok(info) => {
-                    // Its monitor lives but the pod's PID 1 died: nothing can run in it.
-                    if info.pid_ns_gone && pod.namespaces.contains_key("pid") {
-                        survey.unanswered.insert(
-                            pod.id.clone(),
-                            "the pod's PID namespace lost its init process".into(),
-                        );
-                    }
-                    survey
-                        .live
-                        .extend(info.containers.into_iter().map(|s| (s.id.clone(), s)))
-                }
-                Err(e) => {
-                    self.check_monitor(pod, &e)?;
-                    survey.unanswered.insert(pod.id.clone(), chain(&e));
-                }
+        for pod in pods.iter().filter(|p| p.state == PodState::Ready) {
+            let Some(live) = self.live.get(&pod.id) else {
+                // A pod adopted or recorded by a call cut short before its watch began.
+                self.watch(pod);
+                continue;
+            };
+            if let Some(e) = &live.gone {
+                self.check_monitor(pod, &Error::Unavailable(e.clone()))?;
+                survey.unanswered.insert(pod.id.clone(), e.clone());
+                continue;
             }
+            if let Some(why) = live.silent {
+                survey.unanswered.insert(pod.id.clone(), why);
+            } else if live.pid_ns_gone && pod.namespaces.contains_key("pid") {
+                // Its monitor lives but the pod's PID 1 died: nothing can run in it.
+                survey.unanswered.insert(
+                    pod.id.clone(),
+                    "the pod's PID namespace lost its init process".into(),
+                );
+            }
+            survey.live.extend(live.states);
         }
         Ok(survey)
     }
@@ -563,8 +546,20 @@ impl Runtime {
     /// The container records with what `survey` found folded in. Read after the monitors: a
     /// monitor found gone has updated its containers' records.
     pub(super) fn container_views(&self, survey: &Survey) -> Result<Vec<ContainerView>> {
+        self.container_views_of(
+            survey,
+            self.store.all::<ContainerRecord>(Table::Containers)?,
+        )
+    }
+
+    /// [`Runtime::container_views`] of the records `of`.
+    fn container_views_of(
+        &self,
+        survey: &Survey,
+        of: Vec<ContainerRecord>,
+    ) -> Result<Vec<ContainerView>> {
         let mut recs = Vec::new();
-        for c in self.store.all::<ContainerRecord>(Table::Containers)? {
+        for c in of {
             let Some(s) = survey.live.get(&c.id) else {
                 recs.push(c);
                 continue;

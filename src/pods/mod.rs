@@ -33,6 +33,7 @@
 
 mod container;
 mod host;
+mod live;
 mod monitor_client;
 mod recovery;
 pub mod rootfs;
@@ -177,6 +178,8 @@ pub struct Runtime {
     state_dir: PathBuf,
     root_dir: PathBuf,
     monitors: std::sync::Mutex<HashMap<String, MonitorClient>>,
+    /// What the Ready pods' monitors last reported (live.rs): lists and statuses read it.
+    live: Arc<live::Live>,
     /// One create per pod or container name at a time: a retry waits for the first attempt.
     name_locks: Locks,
     /// Changes of one pod or container, by id, one at a time: a pod's stop and removal hold
@@ -242,6 +245,7 @@ impl Runtime {
             state_dir: state_dir.to_path_buf(),
             root_dir: root_dir.to_path_buf(),
             monitors: std::sync::Mutex::new(HashMap::new()),
+            live: Default::default(),
             name_locks: Locks::default(),
             object_locks: Locks::default(),
             cap_limit,
@@ -299,6 +303,7 @@ impl Runtime {
             .lock()
             .expect("monitors poisoned")
             .remove(pod_id);
+        self.live.forget(pod_id);
         self.store
             .update(Table::Pods, pod_id, |p: &mut PodRecord| {
                 let changed = p.state != PodState::NotReady;
@@ -313,6 +318,11 @@ impl Runtime {
         m.entry(pod.id.clone())
             .or_insert_with(|| MonitorClient::new(self.pod_dir(&pod.id).join("monitor.sock")))
             .clone()
+    }
+
+    /// Follows a Ready pod's monitor from now on (see live.rs).
+    fn watch(&self, pod: &PodRecord) {
+        live::watch(&self.live, &self.store, pod, self.monitor(pod));
     }
 
     /// A record by full id, or by a unique prefix of it, as crictl allows.

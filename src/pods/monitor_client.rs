@@ -104,7 +104,13 @@ const SLOW_CALL_DEADLINE: Duration = Duration::from_secs(60);
 /// milliseconds even on a loaded node; one silent that long is reported (pod NotReady) rather
 /// than holding the caller. Under crictl's default 2 s timeout, so `crictl ps` still answers
 /// with a monitor stuck.
-const READ_DEADLINE: Duration = Duration::from_millis(1500);
+pub(super) const READ_DEADLINE: Duration = Duration::from_millis(1500);
+/// How long a monitor holds an `Events` call without a change before it answers anyway: its
+/// heartbeat. A monitor that misses that by more than [`READ_DEADLINE`] counts as stuck, so a
+/// stuck monitor shows within 6.5 s, at one call per idle pod every 5 s.
+pub(super) const EVENTS_HOLD: Duration = Duration::from_secs(5);
+/// How long adoption at start waits for one monitor: they answer Info from memory.
+pub(super) const ADOPT_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Calls a pod's monitor: one unix-socket connection per call (see `wire`).
 #[derive(Clone)]
@@ -213,6 +219,27 @@ impl MonitorClient {
             .map_err(|e| Error::Internal(format!("{what}: bad answer from the pod monitor: {e}")))
     }
 
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The pod's states once they differ from generation `since`, or at `answer_by` (unix
+    /// ms) regardless. No deadline here: the watcher (live.rs) keeps its own.
+    pub async fn events(&self, since: u64, answer_by: i64) -> Result<pb::InfoResponse> {
+        let req = pb::EventsRequest { since, answer_by };
+        self.call_unbounded(Method::Events, &req, "pod monitor events")
+            .await
+    }
+
+    /// `info` with its records, within `deadline` (adoption at start).
+    pub async fn info_within(&self, deadline: Duration) -> Result<pb::InfoResponse> {
+        let req = pb::InfoRequest {
+            skip_records: false,
+        };
+        self.call_within(Method::Info, &req, "pod monitor info", Some(deadline))
+            .await
+    }
+
     pub async fn info(&self) -> Result<pb::InfoResponse> {
         let req = pb::InfoRequest {
             skip_records: false,
@@ -225,13 +252,6 @@ impl MonitorClient {
     pub async fn read_info(&self) -> Result<pb::InfoResponse> {
         let req = pb::InfoRequest { skip_records: true };
         self.call_within(Method::Info, &req, "pod monitor info", Some(READ_DEADLINE))
-            .await
-    }
-
-    /// `state` within the read deadline, for a container's status.
-    pub async fn read_state(&self, id: &str) -> Result<pb::ContainerState> {
-        let req = pb::ContainerRef { id: id.into() };
-        self.call_within(Method::State, &req, "monitor", Some(READ_DEADLINE))
             .await
     }
 

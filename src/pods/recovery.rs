@@ -17,12 +17,13 @@ use std::path::Path;
 use super::host::{
     dir_names, kill_cgroup, kill_pod_processes, remove_cgroup, remove_leftover_container_cgroups,
 };
-use super::monitor_client::MonitorClient;
+use super::monitor_client::{MonitorClient, ADOPT_DEADLINE};
 use super::{
     apply_state, rootfs, ContainerRecord, ContainerState, ExitInfo, PodRecord, PodState, Runtime,
 };
 use crate::error::{chain, Error, Result};
 use crate::store::{Store, Table};
+use futures::StreamExt;
 use hako_proto::monitor as pb;
 
 /// At start, before anything collects what no record owns: rebuilds from the pods' monitors
@@ -33,51 +34,72 @@ use hako_proto::monitor as pb;
 /// cannot be read is reported and skipped (what it names is then left alone, not released).
 /// (An associated function: it runs before the `Runtime` exists, see `Daemon::open`.)
 pub(super) async fn adopt_lost_records(store: &Store, state_dir: &Path) -> Result<()> {
-    for id in dir_names(&state_dir.join("pods")) {
+    let mut ids = dir_names(&state_dir.join("pods"));
+    ids.sort();
+    // All asked at once (bounded), each within a short deadline, and handled as they answer:
+    // a stuck monitor delays the start by one deadline, not the pods after it.
+    let mut answers = futures::stream::iter(ids.into_iter().map(|id| {
         let monitor = MonitorClient::new(state_dir.join("pods").join(&id).join("monitor.sock"));
-        if !monitor.listening() {
-            continue;
+        async move {
+            if !monitor.listening() {
+                return (id, None);
+            }
+            let info = monitor.info_within(ADOPT_DEADLINE).await;
+            (id, Some(info))
         }
-        let info = match monitor.info().await {
-            Ok(info) if info.pod_id == id => info,
-            Ok(info) => {
+    }))
+    .buffer_unordered(START_CONCURRENCY);
+    while let Some((id, info)) = answers.next().await {
+        let info = match info {
+            None => continue,
+            Some(Ok(info)) if info.pod_id == id => info,
+            Some(Ok(info)) => {
                 tracing::error!(pod = %id, answered_for = %info.pod_id, "the monitor in a pod's directory answers for another pod: left alone");
                 continue;
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 tracing::error!(pod = %id, error = %chain(&e), "pod monitor did not answer at start: its pod is left alone");
                 continue;
             }
         };
-        let known = store.get::<PodRecord>(Table::Pods, &id)?;
-        if known.is_none() {
-            if info.pod_record.is_empty() {
-                // The start did not finish: `reconcile` releases it.
-                continue;
-            }
-            let mut pod: PodRecord = match crate::store::decode_record(
-                Table::Pods,
-                &id,
-                &info.pod_record,
-            ) {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::error!(pod = %id, error = %chain(&e), "the record a pod monitor kept cannot be read: pod left alone");
-                    continue;
-                }
-            };
-            pod.monitor_pid = info.pid;
-            pod.namespaces = info.namespaces.clone().into_iter().collect();
-            pod.state = PodState::Ready;
-            if let Some(other) = store.reserve(&pod.spec.reservation(), &id)? {
-                tracing::error!(pod = %id, name = %pod.spec.reservation(), holder = %other, "an adopted pod's name is reserved by another object");
-            }
-            store.put(Table::Pods, &id, &pod)?;
-            tracing::warn!(pod = %id, name = %pod.spec.name, namespace = %pod.spec.namespace, monitor_pid = info.pid, "adopted a running pod whose record was lost, from its monitor");
-        }
-        adopt_containers(store, &id, &info)?;
+        adopt_pod(store, &id, &info)?;
     }
     Ok(())
+}
+
+/// How many monitors the start asks at once.
+const START_CONCURRENCY: usize = 16;
+
+/// One pod's adoption from its monitor's answer (see [`adopt_lost_records`]).
+fn adopt_pod(store: &Store, id: &str, info: &pb::InfoResponse) -> Result<()> {
+    let id = id.to_string();
+    let known = store.get::<PodRecord>(Table::Pods, &id)?;
+    if known.is_none() {
+        if info.pod_record.is_empty() {
+            // The start did not finish: `reconcile` releases it.
+            return Ok(());
+        }
+        let mut pod: PodRecord = match crate::store::decode_record(
+            Table::Pods,
+            &id,
+            &info.pod_record,
+        ) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(pod = %id, error = %chain(&e), "the record a pod monitor kept cannot be read: pod left alone");
+                return Ok(());
+            }
+        };
+        pod.monitor_pid = info.pid;
+        pod.namespaces = info.namespaces.clone().into_iter().collect();
+        pod.state = PodState::Ready;
+        if let Some(other) = store.reserve(&pod.spec.reservation(), &id)? {
+            tracing::error!(pod = %id, name = %pod.spec.reservation(), holder = %other, "an adopted pod's name is reserved by another object");
+        }
+        store.put(Table::Pods, &id, &pod)?;
+        tracing::warn!(pod = %id, name = %pod.spec.name, namespace = %pod.spec.namespace, monitor_pid = info.pid, "adopted a running pod whose record was lost, from its monitor");
+    }
+    adopt_containers(store, &id, info)
 }
 
 /// The containers a pod's monitor holds and kept records of, where the store has none.
@@ -230,9 +252,22 @@ impl Runtime {
             .map(|c| (c.id.clone(), c))
             .collect();
         let containers: HashSet<String> = records.keys().cloned().collect();
-        for pod in pods.values().filter(|p| p.state == PodState::Ready) {
+        // Asked all at once (bounded), each within a short deadline: a stuck monitor delays
+        // the start by one deadline.
+        let ready: Vec<&PodRecord> = pods
+            .values()
+            .filter(|p| p.state == PodState::Ready)
+            .collect();
+        let infos: Vec<_> = futures::stream::iter(ready.iter().map(|pod| {
             let monitor = self.monitor(pod);
-            let info = match monitor.info().await {
+            async move { monitor.info_within(ADOPT_DEADLINE).await }
+        }))
+        .buffered(START_CONCURRENCY)
+        .collect()
+        .await;
+        for (pod, info) in ready.into_iter().zip(infos) {
+            let monitor = self.monitor(pod);
+            let info = match info {
                 Ok(info) => info,
                 Err(e) => {
                     self.check_monitor(pod, &e)?;
@@ -244,15 +279,25 @@ impl Runtime {
             }
             for c in &info.containers {
                 match records.get(&c.id) {
-                    Some(rec) if !info.container_records.contains_key(&c.id) => {
-                        self.keep_record(&monitor, &c.id, rec).await;
+                    Some(rec) => {
+                        // Exits while the daemon was down are in the records before it serves.
+                        self.store
+                            .update(Table::Containers, &c.id, |r| apply_state(r, c))?;
+                        if !info.container_records.contains_key(&c.id) {
+                            self.keep_record(&monitor, &c.id, rec).await;
+                        }
                     }
-                    Some(_) => {}
                     None => {
                         tracing::warn!(pod = %pod.id, container = %c.id, "deleting a container whose create did not finish");
                         monitor.delete(&c.id, true).await?;
                     }
                 }
+            }
+        }
+        // From now on each Ready pod's monitor is followed (live.rs).
+        for pod in self.pods()? {
+            if pod.state == PodState::Ready {
+                self.watch(&pod);
             }
         }
         self.release_orphans(&pods, &containers).await?;
@@ -297,7 +342,7 @@ impl Runtime {
             let dir = self.pod_dir(&id);
             let monitor = MonitorClient::new(dir.join("monitor.sock"));
             if monitor.listening() {
-                match monitor.info().await {
+                match monitor.info_within(ADOPT_DEADLINE).await {
                     Ok(info) if info.pod_id == id && info.pod_record.is_empty() => {
                         tracing::warn!(pod = %id, "releasing a pod sandbox whose start did not finish");
                         if !monitor.shutdown().await {

@@ -214,6 +214,8 @@ impl Runtime {
         undo.commit();
         // A spare copy (after the commit: a cancelled call must not undo a recorded pod): the
         // pod is adopted from its monitor if the store loses the record.
+        // Before any await: a cancelled call leaves no Ready pod unwatched.
+        self.watch(&record);
         self.keep_record(&self.monitor(&record), "", &record).await;
         self.warm_pods
             .lock()

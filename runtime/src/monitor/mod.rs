@@ -93,6 +93,16 @@ pub(crate) struct State {
     pub pod_record: Vec<u8>,
     pub reaped: Reaped,
     pub shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The generation of the pod's state, counted up at each change the daemon follows
+    /// (created, started, exited, deleted, PID 1 gone); `Events` callers wait on it.
+    pub changes: tokio::sync::watch::Sender<u64>,
+}
+
+impl State {
+    /// A change the daemon follows: wakes its outstanding `Events` call.
+    pub(crate) fn changed(&self) {
+        self.changes.send_modify(|g| *g += 1);
+    }
 }
 
 pub(crate) type Shared = Arc<Mutex<State>>;
@@ -184,6 +194,7 @@ pub(crate) fn reap(state: &Shared) {
             tracing::error!(pod = %st.opts.pod_id, "the pod's infra process, PID 1 of its PID namespace, exited: no container can start in the pod any more");
             st.infra_pid = None;
             st.pid_ns_dead = true;
+            st.changed();
             continue;
         }
         let dirs: Vec<(String, PathBuf)> = st
@@ -214,6 +225,8 @@ pub(crate) fn reap(state: &Shared) {
             for w in c.waiters.drain(..) {
                 let _ = w.send(());
             }
+            // After the record: the daemon may take the reported exit as durable.
+            st.changed();
             tracing::info!(container = %id, code, signal, "container exited");
             continue;
         }
@@ -269,6 +282,7 @@ fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>), 
         pod_record: Vec::new(),
         reaped: Reaped::default(),
         shutdown: Some(tx),
+        changes: tokio::sync::watch::Sender::new(0),
     };
     Ok((Arc::new(Mutex::new(state)), rx))
 }

@@ -67,6 +67,37 @@ fn proto_state(id: &str, c: &Ctr) -> pb::ContainerState {
     }
 }
 
+/// What Info answers: the pod's states, and the kept records when `records`.
+fn info_of(st: &super::State, records: bool) -> pb::InfoResponse {
+    pb::InfoResponse {
+        pid: std::process::id(),
+        pod_id: st.opts.pod_id.clone(),
+        namespaces: st.ns_paths.clone(),
+        containers: st
+            .containers
+            .iter()
+            .map(|(id, c)| proto_state(id, c))
+            .collect(),
+        pod_record: if records {
+            st.pod_record.clone()
+        } else {
+            Vec::new()
+        },
+        container_records: st
+            .containers
+            .iter()
+            .filter(|(_, c)| records && !c.record.is_empty())
+            .map(|(id, c)| (id.clone(), c.record.clone()))
+            .collect(),
+        pid_ns_gone: st.pid_ns_dead,
+        generation: *st.changes.borrow(),
+    }
+}
+
+fn now_millis() -> i64 {
+    now_nanos() / 1_000_000
+}
+
 fn pipe() -> Result<(OwnedFd, OwnedFd), Status> {
     nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| err("pipe", e))
 }
@@ -430,30 +461,23 @@ impl Svc {
     }
 
     async fn info(&self, req: pb::InfoRequest) -> Result<pb::InfoResponse, Status> {
-        let st = self.state.lock().expect("state");
-        let records = !req.skip_records;
-        Ok(pb::InfoResponse {
-            pid: std::process::id(),
-            pod_id: st.opts.pod_id.clone(),
-            namespaces: st.ns_paths.clone(),
-            containers: st
-                .containers
-                .iter()
-                .map(|(id, c)| proto_state(id, c))
-                .collect(),
-            pod_record: if records {
-                st.pod_record.clone()
-            } else {
-                Vec::new()
-            },
-            container_records: st
-                .containers
-                .iter()
-                .filter(|(_, c)| records && !c.record.is_empty())
-                .map(|(id, c)| (id.clone(), c.record.clone()))
-                .collect(),
-            pid_ns_gone: st.pid_ns_dead,
-        })
+        Ok(info_of(
+            &self.state.lock().expect("state"),
+            !req.skip_records,
+        ))
+    }
+
+    /// Info (states only) once the generation differs from `since`, or at `answer_by`.
+    async fn events(&self, req: pb::EventsRequest) -> Result<pb::InfoResponse, Status> {
+        let mut rx = self.state.lock().expect("state").changes.subscribe();
+        if *rx.borrow_and_update() == req.since {
+            let now = now_millis();
+            if req.answer_by > now {
+                let wait = Duration::from_millis((req.answer_by - now) as u64);
+                let _ = tokio::time::timeout(wait, rx.changed()).await;
+            }
+        }
+        Ok(info_of(&self.state.lock().expect("state"), false))
     }
 
     async fn keep_record(&self, req: pb::KeepRecordRequest) -> Result<pb::Empty, Status> {
@@ -572,6 +596,7 @@ impl Svc {
                 record: Vec::new(),
             },
         );
+        st.changed();
         tracing::info!(container = %req.id, pid = pid.as_raw(), "container created");
         Ok(pb::CreateContainerResponse {
             pid: pid.as_raw() as u32,
@@ -614,6 +639,7 @@ impl Svc {
                     c.phase = Phase::Running;
                 }
             }
+            st.changed();
         }
         self.state_of(&id)
     }
@@ -731,6 +757,7 @@ impl Svc {
         let mut st = self.state.lock().expect("state");
         let dir = st.opts.container_dir(&req.id);
         st.containers.remove(&req.id);
+        st.changed();
         let _ = std::fs::remove_dir_all(dir);
         Ok(pb::Empty {})
     }
@@ -931,6 +958,7 @@ impl Svc {
             Method::ReopenLog => self.reopen_log(decode(body)?).await?.encode_to_vec(),
             Method::Shutdown => self.shutdown(decode(body)?).await?.encode_to_vec(),
             Method::KeepRecord => self.keep_record(decode(body)?).await?.encode_to_vec(),
+            Method::Events => self.events(decode(body)?).await?.encode_to_vec(),
             Method::Unspecified => {
                 return Err(Status::new(
                     wire::code::UNIMPLEMENTED,
