@@ -2,7 +2,7 @@
 # Builds crictl and critest from the sigs.k8s.io/cri-tools Go module (critest is a test binary:
 # `go test -c`). Usage: build-cri-tools.sh OUT_DIR. Skips what is already built at this version.
 set -euo pipefail
-VERSION=${CRI_TOOLS_VERSION:-v1.34.0}
+VERSION=${CRI_TOOLS_VERSION:-v1.36.0}
 OUT=${1:?usage: build-cri-tools.sh OUT_DIR}
 mkdir -p "$OUT"
 if [ -x "$OUT/crictl" ] && [ -x "$OUT/critest" ] && [ "$(cat "$OUT/.cri-tools-version" 2>/dev/null)" = "$VERSION" ]; then

@@ -85,6 +85,12 @@ pub struct CdiConfig {
 pub struct StreamingConfig {
     /// Address of the exec/attach/port-forward HTTP server.
     pub address: String,
+    /// TLS certificate chain and key (PEM); both or neither.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    /// A streaming connection with no traffic this long is closed (containerd's
+    /// stream_idle_timeout, 4 h).
+    pub idle_timeout_secs: u64,
 }
 
 impl Default for Config {
@@ -150,6 +156,9 @@ impl Default for StreamingConfig {
     fn default() -> Self {
         StreamingConfig {
             address: "127.0.0.1:0".into(),
+            tls_cert_file: None,
+            tls_key_file: None,
+            idle_timeout_secs: 4 * 3600,
         }
     }
 }
@@ -218,6 +227,12 @@ impl Config {
         }
         if self.image.pull_progress_timeout_secs == 0 {
             return Err("image.pull_progress_timeout_secs must be at least 1".into());
+        }
+        if self.streaming.idle_timeout_secs == 0 {
+            return Err("streaming.idle_timeout_secs must be at least 1".into());
+        }
+        if self.streaming.tls_cert_file.is_some() != self.streaming.tls_key_file.is_some() {
+            return Err("streaming.tls_cert_file and streaming.tls_key_file go together".into());
         }
         Ok(())
     }

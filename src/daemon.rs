@@ -23,6 +23,8 @@ pub struct Daemon {
     pub runtime: crate::pods::Runtime,
     pub network: Arc<crate::network::Network>,
     pub cdi: Arc<hako_runtime::cdi::Registry>,
+    /// The exec/attach/port-forward server, once `serve` started it.
+    pub streaming: std::sync::OnceLock<crate::streaming::Streaming>,
 }
 
 /// One `Status` condition.
@@ -95,6 +97,7 @@ impl Daemon {
             runtime,
             network,
             cdi,
+            streaming: std::sync::OnceLock::new(),
         })
     }
 
@@ -130,6 +133,20 @@ impl Daemon {
 
     pub fn set_pod_cidr(&self, cidr: String) -> Result<()> {
         self.network.set_pod_cidr(cidr)
+    }
+
+    /// Starts the streaming server on `[streaming]` with `backend`.
+    pub async fn start_streaming(&self, backend: Arc<dyn crate::streaming::Backend>) -> Result<()> {
+        let s = crate::streaming::Streaming::start(&self.config.streaming, backend).await?;
+        self.streaming
+            .set(s)
+            .map_err(|_| Error::Internal("streaming server started twice".into()))
+    }
+
+    pub fn streaming(&self) -> Result<&crate::streaming::Streaming> {
+        self.streaming
+            .get()
+            .ok_or_else(|| Error::Unavailable("the streaming server is not running".into()))
     }
 }
 
@@ -191,6 +208,10 @@ pub async fn serve(config: Config) -> Result<()> {
     let listen = config.listen.clone();
     let shutdown = signalled()?;
     let daemon = Arc::new(Daemon::open(config).await?);
+    // The pods' Backend (src/pods/streams.rs) replaces the placeholder when it lands.
+    daemon
+        .start_streaming(Arc::new(crate::streaming::NoBackend))
+        .await?;
     let listener = bind(&listen)?;
     tracing::info!(socket = %listen.display(), version = env!("CARGO_PKG_VERSION"), "hako serving CRI");
     crate::notify::ready();

@@ -1005,9 +1005,19 @@ async fn rpcs_not_built_say_so_and_status_is_truthful() {
         .into_inner();
     assert_eq!(v.runtime_name, "hako");
     assert_eq!(v.runtime_api_version, "v1");
-    let err = rt.exec(cri::ExecRequest::default()).await.unwrap_err();
+    let err = rt
+        .checkpoint_container(cri::CheckpointContainerRequest::default())
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::Unimplemented);
-    assert!(err.message().contains("Exec"), "{}", err.message());
+    assert!(
+        err.message().contains("CheckpointContainer"),
+        "{}",
+        err.message()
+    );
+    // Exec is built: an unknown container is NOT_FOUND, not UNIMPLEMENTED.
+    let err = rt.exec(cri::ExecRequest::default()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{}", err.message());
     let st = rt
         .status(cri::StatusRequest { verbose: true })
         .await

@@ -1,6 +1,6 @@
-//! `runtime.v1.RuntimeService`. RPCs not built yet (Exec, Attach, PortForward,
-//! CheckpointContainer, ListPodSandboxMetrics, GetContainerEvents) answer UNIMPLEMENTED naming
-//! the RPC.
+//! `runtime.v1.RuntimeService`. RPCs not built yet (CheckpointContainer,
+//! ListPodSandboxMetrics, GetContainerEvents) answer UNIMPLEMENTED naming the RPC. Exec, Attach
+//! and PortForward return URLs on the streaming server (`crate::streaming`).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -53,6 +53,28 @@ where
     match tokio::spawn(body(daemon.clone())).await {
         Ok(r) => r.map_err(|e| status(rpc, e)),
         Err(e) => Err(status(rpc, Error::Internal(format!("{rpc} task: {e}")))),
+    }
+}
+
+impl Runtime {
+    /// Exec and Attach need the container running (kubelet's server checks the same).
+    async fn running(&self, rpc: &str, id: &str) -> Result<(), Status> {
+        let v = self
+            .daemon
+            .runtime
+            .container(id)
+            .await
+            .map_err(|e| status(rpc, e))?;
+        if v.state != crate::pods::ContainerState::Running {
+            return Err(status(
+                rpc,
+                Error::FailedPrecondition(format!(
+                    "container {id} is not running (state {:?})",
+                    v.state
+                )),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -541,23 +563,78 @@ impl RuntimeService for Runtime {
 
     async fn exec(
         &self,
-        _: Request<cri::ExecRequest>,
+        req: Request<cri::ExecRequest>,
     ) -> Result<Response<cri::ExecResponse>, Status> {
-        unimplemented("Exec")
+        let req = req.into_inner();
+        tracing::debug!(rpc = "Exec", container = %req.container_id, cmd = ?req.cmd, tty = req.tty);
+        self.running("Exec", &req.container_id).await?;
+        let url = self
+            .daemon
+            .streaming()
+            .and_then(|s| {
+                s.exec_url(crate::streaming::ExecRequest {
+                    container_id: req.container_id,
+                    cmd: req.cmd,
+                    tty: req.tty,
+                    stdin: req.stdin,
+                    stdout: req.stdout,
+                    stderr: req.stderr,
+                })
+            })
+            .map_err(|e| status("Exec", e))?;
+        Ok(Response::new(cri::ExecResponse { url }))
     }
 
     async fn attach(
         &self,
-        _: Request<cri::AttachRequest>,
+        req: Request<cri::AttachRequest>,
     ) -> Result<Response<cri::AttachResponse>, Status> {
-        unimplemented("Attach")
+        let req = req.into_inner();
+        tracing::debug!(rpc = "Attach", container = %req.container_id, tty = req.tty);
+        self.running("Attach", &req.container_id).await?;
+        let url = self
+            .daemon
+            .streaming()
+            .and_then(|s| {
+                s.attach_url(crate::streaming::AttachRequest {
+                    container_id: req.container_id,
+                    tty: req.tty,
+                    stdin: req.stdin,
+                    stdout: req.stdout,
+                    stderr: req.stderr,
+                })
+            })
+            .map_err(|e| status("Attach", e))?;
+        Ok(Response::new(cri::AttachResponse { url }))
     }
 
     async fn port_forward(
         &self,
-        _: Request<cri::PortForwardRequest>,
+        req: Request<cri::PortForwardRequest>,
     ) -> Result<Response<cri::PortForwardResponse>, Status> {
-        unimplemented("PortForward")
+        let req = req.into_inner();
+        tracing::debug!(rpc = "PortForward", pod = %req.pod_sandbox_id, ports = ?req.port);
+        let view = self
+            .daemon
+            .runtime
+            .pod_view(&req.pod_sandbox_id)
+            .await
+            .map_err(|e| status("PortForward", e))?;
+        if view.state != crate::pods::PodState::Ready {
+            return Err(status(
+                "PortForward",
+                Error::FailedPrecondition(format!(
+                    "port-forward to pod {}: the pod is not ready",
+                    req.pod_sandbox_id
+                )),
+            ));
+        }
+        let url = self
+            .daemon
+            .streaming()
+            .and_then(|s| s.port_forward_url(&req.pod_sandbox_id))
+            .map_err(|e| status("PortForward", e))?;
+        Ok(Response::new(cri::PortForwardResponse { url }))
     }
 
     async fn checkpoint_container(

@@ -6,6 +6,14 @@
 //! implements (`src/pods/streams.rs`). The split keeps the protocol code testable on its own
 //! and the pod code free of HTTP.
 
+mod conn;
+mod remote;
+mod server;
+pub mod spdy;
+pub mod ws;
+
+pub use server::{NoBackend, Streaming, TOKEN_TTL};
+
 use std::future::Future;
 use std::pin::Pin;
 

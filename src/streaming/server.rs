@@ -1,0 +1,574 @@
+//! The HTTP/1.1 server behind the URLs Exec, Attach and PortForward return: single-use tokens,
+//! the upgrade handshake (SPDY/3.1 or WebSocket, with the protocol version negotiated as
+//! kubelet's server does), then the session in `remote`.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderValue, CONNECTION, UPGRADE};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+
+use super::remote::{self, Version, Want};
+use super::{AttachRequest, Backend, ExecRequest, Session};
+use crate::config::StreamingConfig;
+use crate::error::{Error, Result};
+
+/// A token is good for this long (containerd's and kubelet's figure).
+pub const TOKEN_TTL: Duration = Duration::from_secs(60);
+/// Tokens waiting at once (kubelet's bound on in-flight requests).
+pub const MAX_TOKENS: usize = 1000;
+/// A client has this long to send its request headers.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
+
+const STREAM_PROTOCOL: &str = "x-stream-protocol-version";
+const WS_PROTOCOL: &str = "sec-websocket-protocol";
+const PORT_FORWARD: &str = "portforward.k8s.io";
+const PORT_FORWARD_TUNNEL: &str = "SPDY/3.1+portforward.k8s.io";
+
+#[derive(Debug, Clone)]
+enum Pending {
+    Exec(ExecRequest),
+    Attach(AttachRequest),
+    PortForward(String),
+}
+
+impl Pending {
+    fn kind(&self) -> &'static str {
+        match self {
+            Pending::Exec(_) => "exec",
+            Pending::Attach(_) => "attach",
+            Pending::PortForward(_) => "portforward",
+        }
+    }
+}
+
+struct Inner {
+    backend: Arc<dyn Backend>,
+    tokens: Mutex<HashMap<String, (Instant, Pending)>>,
+    base_url: String,
+    idle: Duration,
+    ttl: Duration,
+    sessions: AtomicUsize,
+}
+
+/// The running server; dropping it stops accepting (sessions in progress run to their end).
+pub struct Streaming {
+    inner: Arc<Inner>,
+    addr: SocketAddr,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// A placeholder until the pods' backend is wired in: every session fails UNIMPLEMENTED.
+pub struct NoBackend;
+
+#[tonic::async_trait]
+impl Backend for NoBackend {
+    async fn exec(&self, _: ExecRequest) -> Result<Session> {
+        Err(Error::Unimplemented("exec sessions in this build".into()))
+    }
+    async fn attach(&self, _: AttachRequest) -> Result<Session> {
+        Err(Error::Unimplemented("attach sessions in this build".into()))
+    }
+    async fn port_forward(&self, _: &str, _: u16) -> Result<tokio::net::TcpStream> {
+        Err(Error::Unimplemented("port-forward in this build".into()))
+    }
+}
+
+impl Streaming {
+    /// Binds `config.address` (port 0: a free port) and serves, with TLS when a certificate
+    /// and key are configured.
+    pub async fn start(config: &StreamingConfig, backend: Arc<dyn Backend>) -> Result<Streaming> {
+        Self::start_with_ttl(config, backend, TOKEN_TTL).await
+    }
+
+    /// As `start`, with tokens good for `ttl` (tests).
+    pub async fn start_with_ttl(
+        config: &StreamingConfig,
+        backend: Arc<dyn Backend>,
+        ttl: Duration,
+    ) -> Result<Streaming> {
+        let addr: SocketAddr = config.address.parse().map_err(|e| {
+            Error::InvalidArgument(format!(
+                "streaming.address {:?} is not an address:port: {e}",
+                config.address
+            ))
+        })?;
+        let tls = match (&config.tls_cert_file, &config.tls_key_file) {
+            (Some(cert), Some(key)) => Some(tls_acceptor(cert, key)?),
+            (None, None) => None,
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "streaming.tls_cert_file and streaming.tls_key_file go together".into(),
+                ))
+            }
+        };
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::io("bind streaming server to", Path::new(&config.address), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::Internal(format!("streaming server address: {e}")))?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let inner = Arc::new(Inner {
+            backend,
+            tokens: Mutex::new(HashMap::new()),
+            base_url: format!("{scheme}://{addr}"),
+            idle: Duration::from_secs(config.idle_timeout_secs.max(1)),
+            ttl,
+            sessions: AtomicUsize::new(0),
+        });
+        tracing::info!(url = %inner.base_url, "streaming server listening");
+        let accept = tokio::spawn(accept_loop(listener, tls, inner.clone()));
+        Ok(Streaming {
+            inner,
+            addr,
+            accept,
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Upgraded sessions running now (each holds its connection and any backend session).
+    pub fn sessions(&self) -> usize {
+        self.inner.sessions.load(Ordering::SeqCst)
+    }
+
+    /// The URL for an exec; the request's streams are checked as kubelet checks them.
+    pub fn exec_url(&self, req: ExecRequest) -> Result<String> {
+        if req.cmd.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "exec in container {}: no command given",
+                req.container_id
+            )));
+        }
+        check_streams(
+            &req.container_id,
+            req.stdin,
+            req.stdout,
+            req.stderr,
+            req.tty,
+        )?;
+        self.inner.issue(Pending::Exec(req))
+    }
+
+    pub fn attach_url(&self, req: AttachRequest) -> Result<String> {
+        check_streams(
+            &req.container_id,
+            req.stdin,
+            req.stdout,
+            req.stderr,
+            req.tty,
+        )?;
+        self.inner.issue(Pending::Attach(req))
+    }
+
+    pub fn port_forward_url(&self, pod_sandbox_id: &str) -> Result<String> {
+        self.inner
+            .issue(Pending::PortForward(pod_sandbox_id.to_string()))
+    }
+}
+
+fn check_streams(id: &str, stdin: bool, stdout: bool, stderr: bool, tty: bool) -> Result<()> {
+    if !(stdin || stdout || stderr) {
+        return Err(Error::InvalidArgument(format!(
+            "stream to container {id}: one of stdin, stdout or stderr must be set"
+        )));
+    }
+    if tty && stderr {
+        return Err(Error::InvalidArgument(format!(
+            "stream to container {id}: tty and stderr cannot both be set (a terminal has one output)"
+        )));
+    }
+    Ok(())
+}
+
+impl Inner {
+    fn issue(&self, pending: Pending) -> Result<String> {
+        let mut raw = [0u8; 24];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut raw)
+            .map_err(|_| Error::Internal("streaming token: the OS random source failed".into()))?;
+        let token = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(raw);
+        let kind = pending.kind();
+        let mut tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        tokens.retain(|_, (at, _)| now.duration_since(*at) < self.ttl);
+        if tokens.len() >= MAX_TOKENS {
+            return Err(Error::Unavailable(format!(
+                "streaming server: {MAX_TOKENS} requests are waiting for their client already"
+            )));
+        }
+        tokens.insert(token.clone(), (now, pending));
+        Ok(format!("{}/{kind}/{token}", self.base_url))
+    }
+
+    /// The request behind a token, once: a second use or an expired token finds nothing.
+    fn take(&self, kind: &str, token: &str) -> Option<Pending> {
+        let mut tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
+        let (at, pending) = tokens.remove(token)?;
+        (at.elapsed() < self.ttl && pending.kind() == kind).then_some(pending)
+    }
+}
+
+fn tls_acceptor(cert: &Path, key: &Path) -> Result<tokio_rustls::TlsAcceptor> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = CertificateDer::pem_file_iter(cert)
+        .and_then(|it| it.collect::<std::result::Result<Vec<_>, _>>())
+        .map_err(|e| {
+            Error::InvalidArgument(format!("streaming TLS certificate {}: {e}", cert.display()))
+        })?;
+    let key = PrivateKeyDer::from_pem_file(key)
+        .map_err(|e| Error::InvalidArgument(format!("streaming TLS key {}: {e}", key.display())))?;
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .and_then(|b| b.with_no_client_auth().with_single_cert(certs, key))
+    .map_err(|e| Error::InvalidArgument(format!("streaming TLS: {e}")))?;
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    inner: Arc<Inner>,
+) {
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of fds and the like: wait instead of spinning.
+                tracing::warn!(error = %e, "streaming server: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let inner = inner.clone();
+        let tls = tls.clone();
+        tokio::spawn(async move {
+            match tls {
+                Some(tls) => {
+                    let handshake = tokio::time::timeout(HEADER_TIMEOUT, tls.accept(tcp)).await;
+                    match handshake {
+                        Ok(Ok(s)) => serve_http(s, inner).await,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "streaming TLS handshake failed")
+                        }
+                        Err(_) => tracing::debug!(%peer, "streaming TLS handshake timed out"),
+                    }
+                }
+                None => serve_http(tcp, inner).await,
+            }
+        });
+    }
+}
+
+async fn serve_http<IO>(io: IO, inner: Arc<Inner>)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let inner = inner.clone();
+        async move { Ok::<_, Infallible>(handle(inner, req)) }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %e, "streaming connection ended");
+    }
+}
+
+fn plain(code: StatusCode, msg: &str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(format!("{msg}\n"))));
+    *r.status_mut() = code;
+    r
+}
+
+/// Every value of `name`, comma lists split.
+fn values(headers: &HeaderMap, name: &str) -> Vec<String> {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .collect()
+}
+
+/// The first protocol the client offers that the server knows (kubelet's order: the client's).
+fn negotiate<T: Copy>(offered: &[String], known: &[(&str, T)]) -> Option<(String, T)> {
+    offered.iter().find_map(|o| {
+        known
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(o))
+            .map(|(k, t)| (k.to_string(), *t))
+    })
+}
+
+#[derive(Clone, Copy)]
+enum Proto {
+    Spdy(Version),
+    Ws(Version, bool),
+    PortForwardSpdy,
+    PortForwardTunnel,
+}
+
+fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let path = req.uri().path().trim_start_matches('/').to_string();
+    let Some((kind, token)) = path.split_once('/') else {
+        return plain(StatusCode::NOT_FOUND, "not found");
+    };
+    let Some(pending) = inner.take(kind, token) else {
+        return plain(StatusCode::NOT_FOUND, "unknown or expired streaming token");
+    };
+    let headers = req.headers();
+    let upgrade = headers
+        .get(UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let forward = matches!(pending, Pending::PortForward(_));
+    let mut resp = plain(StatusCode::SWITCHING_PROTOCOLS, "");
+    let (chosen, proto) = if upgrade == "websocket" {
+        let Some(key) = headers
+            .get("sec-websocket-key")
+            .and_then(|v| v.to_str().ok())
+        else {
+            return plain(StatusCode::BAD_REQUEST, "websocket upgrade without a key");
+        };
+        let offered = values(headers, WS_PROTOCOL);
+        let known: &[(&str, Proto)] = if forward {
+            &[(PORT_FORWARD_TUNNEL, Proto::PortForwardTunnel)]
+        } else {
+            &[
+                ("v5.channel.k8s.io", Proto::Ws(Version::V5, false)),
+                ("v4.channel.k8s.io", Proto::Ws(Version::V4, false)),
+                ("v4.base64.channel.k8s.io", Proto::Ws(Version::V4, true)),
+                ("channel.k8s.io", Proto::Ws(Version::V1, false)),
+                ("base64.channel.k8s.io", Proto::Ws(Version::V1, true)),
+            ]
+        };
+        let chosen = match negotiate(&offered, known) {
+            Some((name, p)) => (Some(name), p),
+            None if offered.is_empty() && !forward => (None, Proto::Ws(Version::V1, false)),
+            None => {
+                return plain(
+                    StatusCode::BAD_REQUEST,
+                    &format!(
+                        "unable to negotiate a websocket protocol: client offers {offered:?}, server supports {:?}",
+                        known.iter().map(|(k, _)| *k).collect::<Vec<_>>()
+                    ),
+                )
+            }
+        };
+        let h = resp.headers_mut();
+        h.insert(UPGRADE, HeaderValue::from_static("websocket"));
+        if let Ok(v) = HeaderValue::from_str(&super::ws::accept_key(key)) {
+            h.insert("sec-websocket-accept", v);
+        }
+        if let Some(name) = &chosen.0 {
+            if let Ok(v) = HeaderValue::from_str(name) {
+                h.insert(WS_PROTOCOL, v);
+            }
+        }
+        chosen
+    } else if upgrade.starts_with("spdy/3.1") {
+        let offered = values(headers, STREAM_PROTOCOL);
+        let known: &[(&str, Proto)] = if forward {
+            &[(PORT_FORWARD, Proto::PortForwardSpdy)]
+        } else {
+            &[
+                ("v4.channel.k8s.io", Proto::Spdy(Version::V4)),
+                ("v3.channel.k8s.io", Proto::Spdy(Version::V3)),
+                ("v2.channel.k8s.io", Proto::Spdy(Version::V2)),
+                ("channel.k8s.io", Proto::Spdy(Version::V1)),
+            ]
+        };
+        let chosen = match negotiate(&offered, known) {
+            Some((name, p)) => (Some(name), p),
+            // A client that names no version speaks the first one.
+            None if offered.is_empty() => (None, known[known.len() - 1].1),
+            None => {
+                return plain(
+                    StatusCode::FORBIDDEN,
+                    &format!(
+                        "unable to upgrade: unable to negotiate protocol: client supports {offered:?}, server supports {:?}",
+                        known.iter().map(|(k, _)| *k).collect::<Vec<_>>()
+                    ),
+                )
+            }
+        };
+        let h = resp.headers_mut();
+        h.insert(UPGRADE, HeaderValue::from_static("SPDY/3.1"));
+        if let Some(name) = &chosen.0 {
+            if let Ok(v) = HeaderValue::from_str(name) {
+                h.insert(STREAM_PROTOCOL, v);
+            }
+        }
+        chosen
+    } else {
+        return plain(
+            StatusCode::BAD_REQUEST,
+            "expected an upgrade to SPDY/3.1 or websocket",
+        );
+    };
+    tracing::debug!(kind, protocol = ?chosen, "streaming upgrade");
+    resp.headers_mut()
+        .insert(CONNECTION, HeaderValue::from_static("Upgrade"));
+    *resp.body_mut() = Full::new(Bytes::new());
+    let upgraded = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let io = match upgraded.await {
+            Ok(u) => TokioIo::new(u),
+            Err(e) => {
+                tracing::debug!(error = %e, "streaming upgrade failed");
+                return;
+            }
+        };
+        inner.sessions.fetch_add(1, Ordering::SeqCst);
+        let _guard = Counted(&inner.sessions);
+        run_session(&inner, io, pending, proto).await;
+    });
+    resp
+}
+
+struct Counted<'a>(&'a AtomicUsize);
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn run_session(
+    inner: &Arc<Inner>,
+    io: TokioIo<hyper::upgrade::Upgraded>,
+    pending: Pending,
+    proto: Proto,
+) {
+    let backend = inner.backend.clone();
+    let idle = inner.idle;
+    match (pending, proto) {
+        (Pending::PortForward(pod), Proto::PortForwardSpdy) => {
+            remote::port_forward(io, idle, backend, pod).await
+        }
+        (Pending::PortForward(pod), Proto::PortForwardTunnel) => {
+            remote::ws_tunnel(io, |pipe| remote::port_forward(pipe, idle, backend, pod)).await
+        }
+        (Pending::Exec(r), p) => {
+            let want = Want {
+                stdin: r.stdin,
+                stdout: r.stdout,
+                stderr: r.stderr,
+                tty: r.tty,
+            };
+            session(io, idle, p, want, async move { backend.exec(r).await }).await
+        }
+        (Pending::Attach(r), p) => {
+            let want = Want {
+                stdin: r.stdin,
+                stdout: r.stdout,
+                stderr: r.stderr,
+                tty: r.tty,
+            };
+            session(io, idle, p, want, async move { backend.attach(r).await }).await
+        }
+        (Pending::PortForward(_), _) => {}
+    }
+}
+
+async fn session(
+    io: TokioIo<hyper::upgrade::Upgraded>,
+    idle: Duration,
+    proto: Proto,
+    want: Want,
+    start: impl std::future::Future<Output = Result<Session>> + Send,
+) {
+    match proto {
+        Proto::Spdy(v) => remote::spdy_session(io, idle, v, want, start).await,
+        Proto::Ws(v, b64) => remote::ws_session(io, idle, v, b64, want, start).await,
+        Proto::PortForwardSpdy | Proto::PortForwardTunnel => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server_inner(ttl: Duration) -> Inner {
+        Inner {
+            backend: Arc::new(NoBackend),
+            tokens: Mutex::new(HashMap::new()),
+            base_url: "http://127.0.0.1:1".into(),
+            idle: Duration::from_secs(1),
+            ttl,
+            sessions: AtomicUsize::new(0),
+        }
+    }
+
+    #[test]
+    fn tokens_are_single_use_random_kind_bound_and_bounded() {
+        let inner = server_inner(TOKEN_TTL);
+        let url = inner.issue(Pending::PortForward("p".into())).unwrap();
+        let token = url.rsplit('/').next().unwrap().to_string();
+        // 24 random bytes, base64url: 192 bits.
+        assert_eq!(token.len(), 32);
+        let other = inner.issue(Pending::PortForward("p".into())).unwrap();
+        assert_ne!(url, other);
+        assert!(inner.take("exec", &token).is_none(), "kind must match");
+        let url = inner.issue(Pending::PortForward("p".into())).unwrap();
+        let token = url.rsplit('/').next().unwrap();
+        assert!(inner.take("portforward", token).is_some());
+        assert!(inner.take("portforward", token).is_none(), "second use");
+        let waiting = inner.tokens.lock().unwrap().len();
+        for _ in waiting..MAX_TOKENS {
+            inner.issue(Pending::PortForward("p".into())).unwrap();
+        }
+        assert!(matches!(
+            inner.issue(Pending::PortForward("p".into())),
+            Err(Error::Unavailable(_))
+        ));
+    }
+
+    #[test]
+    fn expired_tokens_are_refused_and_make_room() {
+        let inner = server_inner(Duration::ZERO);
+        let url = inner.issue(Pending::PortForward("p".into())).unwrap();
+        assert!(inner
+            .take("portforward", url.rsplit('/').next().unwrap())
+            .is_none());
+        for _ in 0..MAX_TOKENS + 5 {
+            inner.issue(Pending::PortForward("p".into())).unwrap();
+        }
+    }
+
+    #[test]
+    fn stream_flags_are_checked_as_kubelet_does() {
+        assert!(check_streams("c", false, false, false, false).is_err());
+        assert!(check_streams("c", true, true, true, true).is_err());
+        assert!(check_streams("c", true, true, false, true).is_ok());
+        assert!(check_streams("c", false, false, true, false).is_ok());
+    }
+}
