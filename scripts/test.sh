@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (as root, on a clean clone): installs what it needs,
-# builds crictl and critest from sigs.k8s.io/cri-tools, then runs format and lint checks, the
-# unit tests and the end-to-end tests (real registry, crictl, critest's must-pass list).
+# builds crictl and critest from sigs.k8s.io/cri-tools and kubelet and kubeadm from
+# k8s.io/kubernetes, then runs format and lint checks, the unit tests and the end-to-end tests
+# (real registry, crictl, critest's must-pass list, a real kubelet and kubeadm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "test.sh: run as root (the e2e tests mount, unpack devices, chown)" >&2; exit 1; }
 export PATH="$HOME/.cargo/bin:/usr/local/go/bin:$PATH"
 bash scripts/deps.sh
 bash .ci/build-cri-tools.sh "$PWD/.tools"
+bash .ci/build-kubelet.sh "$PWD/.tools"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # Missing e2e prerequisites fail here instead of skipping.

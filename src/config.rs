@@ -56,6 +56,19 @@ pub struct RuntimeConfig {
     /// option of the same name). Applied anyway when the daemon lacks CAP_SYS_RESOURCE, since
     /// the kernel would refuse the lower value.
     pub restrict_oom_score_adj: bool,
+    /// The cgroup driver hako tells kubelet to use (the `RuntimeConfig` RPC).
+    pub cgroup_driver: CgroupDriver,
+}
+
+/// How kubelet names the pods' cgroup parents. hako makes every cgroup itself, through
+/// cgroupfs, either way: a systemd slice name (`kubepods-burstable-pod1.slice`) is read as its
+/// path in systemd's layout (`/kubepods.slice/kubepods-burstable.slice/...`).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupDriver {
+    #[default]
+    Cgroupfs,
+    Systemd,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

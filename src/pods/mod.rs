@@ -53,7 +53,7 @@ use crate::image::Images;
 use crate::network::Network;
 use crate::store::{Store, Table};
 use monitor_client::MonitorClient;
-pub use stats::{PodStats, Usage};
+pub use stats::{NetCounters, PodStats, Usage};
 pub use types::*;
 
 /// A fresh 64-hex-digit id, as containerd's.

@@ -34,11 +34,24 @@ pub struct Usage {
     pub writable_mountpoint: PathBuf,
 }
 
-/// A pod's stats: its view, its cgroup's usage and its containers'.
+/// A pod's stats: its view, its cgroup's usage, its network's and its containers'.
 pub struct PodStats {
     pub pod: PodView,
     pub usage: Usage,
+    /// The counters of the interfaces in the pod's network namespace (loopback aside); none
+    /// for a pod on the host's network or when the namespace cannot be read.
+    pub network: Option<Vec<NetCounters>>,
     pub containers: Vec<(ContainerView, Usage)>,
+}
+
+/// One interface's counters, from the kernel's `/proc/net/dev` as seen in the pod's netns.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NetCounters {
+    pub name: String,
+    pub rx_bytes: u64,
+    pub rx_errors: u64,
+    pub tx_bytes: u64,
+    pub tx_errors: u64,
 }
 
 /// Bounds of one walk of a writable layer. Its content is the container's to shape: millions
@@ -163,7 +176,21 @@ impl Runtime {
     async fn pod_stats_of(&self, pod: PodView, containers: Vec<ContainerView>) -> Result<PodStats> {
         let key = format!("pod/{}", pod.record.id);
         let cgroup = pod_cgroup(&pod.record);
-        let (timestamp, sample) = blocking(move || Ok(cgroup_sample(&cgroup))).await?;
+        let netns = pod.record.namespaces.get("network").cloned();
+        let id = pod.record.id.clone();
+        let ((timestamp, sample), network) = blocking(move || {
+            // A pod has no process of its own for a stats reader to look through (kubelet's
+            // cAdvisor finds none): its network is read here, from its namespace.
+            let network = netns.and_then(|ns| match net_counters(Path::new(&ns)) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    tracing::debug!(pod = %id, netns = %ns, error = %e, "no network stats");
+                    None
+                }
+            });
+            Ok((cgroup_sample(&cgroup), network))
+        })
+        .await?;
         let usage = Usage {
             timestamp,
             nano_cores: sample.and_then(|s| self.cpu_samples.rate(&key, timestamp, s.cpu_usage_ns)),
@@ -175,6 +202,7 @@ impl Runtime {
         Ok(PodStats {
             pod,
             usage,
+            network,
             containers: self.with_usage(containers).await?,
         })
     }
@@ -251,6 +279,46 @@ fn cgroup_sample(cgroups_path: &str) -> (i64, Option<hako_runtime::stats::Sample
             (now, None)
         }
     }
+}
+
+/// The counters of the interfaces in the network namespace bound at `netns`, loopback aside.
+/// Read on a thread of its own that joins the namespace and ends: /proc/thread-self/net/dev
+/// shows the reading thread's namespace, and a pool thread must not be left in a pod's.
+/// Blocking.
+pub(super) fn net_counters(netns: &Path) -> io::Result<Vec<NetCounters>> {
+    let ns = File::open(netns)?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
+            std::fs::read_to_string("/proc/thread-self/net/dev")
+        })
+        .join()
+        .map_err(|_| io::Error::other("the netns reader thread panicked"))?
+    })
+    .map(|text| parse_net_dev(&text))
+}
+
+/// `/proc/net/dev`: two header lines, then `name: rx(bytes packets errs drop fifo frame
+/// compressed multicast) tx(bytes packets errs drop fifo colls carrier compressed)`.
+fn parse_net_dev(text: &str) -> Vec<NetCounters> {
+    text.lines()
+        .skip(2)
+        .filter_map(|l| {
+            let (name, rest) = l.split_once(':')?;
+            let f: Vec<u64> = rest
+                .split_whitespace()
+                .map(|v| v.parse().ok())
+                .collect::<Option<_>>()?;
+            let name = name.trim();
+            (f.len() >= 16 && name != "lo").then(|| NetCounters {
+                name: name.to_string(),
+                rx_bytes: f[0],
+                rx_errors: f[2],
+                tx_bytes: f[8],
+                tx_errors: f[10],
+            })
+        })
+        .collect()
 }
 
 /// The disk use of the tree at `root`, within `limit`. Never follows a symlink: one counts as
@@ -419,6 +487,41 @@ mod tests {
         let w = walk(deep.path(), WalkLimit { depth: 2, ..WIDE }).unwrap();
         assert_eq!((w.stopped, w.inodes), (Some("depth"), 3), "{w:?}");
         assert_eq!(walk(deep.path(), WIDE).unwrap().inodes, 5);
+    }
+
+    #[test]
+    fn net_dev_counters_are_parsed_and_loopback_left_out() {
+        let text = "Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+    lo:     140       2    0    0    0     0          0         0      140       2    0    0    0     0       0          0
+  eth0:    1706      19    3    0    0     0          0         0     1052      12    4    0    0     0       0          0
+";
+        assert_eq!(
+            parse_net_dev(text),
+            [NetCounters {
+                name: "eth0".into(),
+                rx_bytes: 1706,
+                rx_errors: 3,
+                tx_bytes: 1052,
+                tx_errors: 4,
+            }]
+        );
+    }
+
+    #[test]
+    fn net_counters_are_read_in_the_namespace_not_the_callers() {
+        // This process's own namespace, through a path as a pod's bind mount would be: what is
+        // read must be that namespace's interfaces, and the calling thread stays where it was.
+        let before = std::fs::read_link("/proc/thread-self/ns/net").unwrap();
+        let got = net_counters(Path::new("/proc/self/ns/net")).unwrap();
+        let want = parse_net_dev(&std::fs::read_to_string("/proc/self/net/dev").unwrap());
+        let names = |v: &[NetCounters]| v.iter().map(|c| c.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&got), names(&want));
+        assert_eq!(
+            std::fs::read_link("/proc/thread-self/ns/net").unwrap(),
+            before
+        );
+        assert!(net_counters(Path::new("/nonexistent/netns")).is_err());
     }
 
     #[test]

@@ -486,6 +486,7 @@ pub fn container_stats(v: &ContainerView, u: &crate::pods::Usage) -> cri::Contai
 pub fn pod_stats(
     p: &PodRecord,
     u: &crate::pods::Usage,
+    network: Option<&[crate::pods::NetCounters]>,
     containers: Vec<cri::ContainerStats>,
 ) -> cri::PodSandboxStats {
     let (cpu, memory) = cpu_memory(u);
@@ -499,7 +500,7 @@ pub fn pod_stats(
         linux: Some(cri::LinuxPodSandboxStats {
             cpu,
             memory,
-            network: None,
+            network: network.map(|ifaces| net_usage(u.timestamp, ifaces)),
             process: u.sample.map(|s| cri::ProcessUsage {
                 timestamp: u.timestamp,
                 process_count: u64v(s.pids),
@@ -507,6 +508,25 @@ pub fn pod_stats(
             containers,
         }),
         windows: None,
+    }
+}
+
+/// The pod's interfaces; the default one is the interface hako's CNI call names.
+fn net_usage(timestamp: i64, ifaces: &[crate::pods::NetCounters]) -> cri::NetworkUsage {
+    let usage = |c: &crate::pods::NetCounters| cri::NetworkInterfaceUsage {
+        name: c.name.clone(),
+        rx_bytes: u64v(c.rx_bytes),
+        rx_errors: u64v(c.rx_errors),
+        tx_bytes: u64v(c.tx_bytes),
+        tx_errors: u64v(c.tx_errors),
+    };
+    cri::NetworkUsage {
+        timestamp,
+        default_interface: ifaces
+            .iter()
+            .find(|c| c.name == crate::network::IFNAME)
+            .map(usage),
+        interfaces: ifaces.iter().map(usage).collect(),
     }
 }
 

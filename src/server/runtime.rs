@@ -10,6 +10,7 @@ use k8s_cri::v1::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
 use super::{convert, status, unimplemented};
+use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::error::Error;
 use crate::pods::{PodRecord, PodStats, PodView};
@@ -33,7 +34,7 @@ fn pod_stats(s: &PodStats) -> cri::PodSandboxStats {
         .iter()
         .map(|(c, u)| convert::container_stats(c, u))
         .collect();
-    convert::pod_stats(&s.pod.record, &s.usage, containers)
+    convert::pod_stats(&s.pod.record, &s.usage, s.network.as_deref(), containers)
 }
 
 /// Runs a lifecycle change (`body`, given the daemon) as a task of its own and waits for it.
@@ -156,10 +157,13 @@ impl RuntimeService for Runtime {
         _: Request<cri::RuntimeConfigRequest>,
     ) -> Result<Response<cri::RuntimeConfigResponse>, Status> {
         tracing::debug!(rpc = "RuntimeConfig");
-        // cgroupfs is the only driver built so far.
+        let driver = match self.daemon.config.runtime.cgroup_driver {
+            CgroupDriver::Cgroupfs => cri::CgroupDriver::Cgroupfs,
+            CgroupDriver::Systemd => cri::CgroupDriver::Systemd,
+        };
         Ok(Response::new(cri::RuntimeConfigResponse {
             linux: Some(cri::LinuxRuntimeConfiguration {
-                cgroup_driver: cri::CgroupDriver::Cgroupfs as i32,
+                cgroup_driver: driver as i32,
             }),
         }))
     }

@@ -1,0 +1,1007 @@
+//! A real kubelet (built from k8s.io/kubernetes by .ci/build-kubelet.sh) drives hako: static
+//! pods from a manifest dir, kubelet standalone (no API server), on a CNI network of the
+//! test's own, with the local registry's busybox stand-in. Each check is made twice: as
+//! kubelet reports it (its read-only port's `/pods` and `/stats/summary`, its log files) and as
+//! hako does (its CRI, the cgroup and namespace files). And kubeadm's preflight against hako.
+
+mod support;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use k8s_cri::v1 as cri;
+use serde_json::Value;
+use support::cni::{self, TestNet};
+use support::cri::*;
+use support::hako::Hako;
+use support::registry::free_port;
+
+const NODE: &str = "hako-node";
+
+/// Deadlines for kubelet's reactions: they are paced by its own periods (PLEG relist 1 s,
+/// static pod file check 1 s, back-off 10 s, container GC 1 min), not by hako.
+const REACT: Duration = Duration::from_secs(90);
+const GC: Duration = Duration::from_secs(180);
+
+/// kubelet standalone on hako, stopped and cleaned when dropped.
+struct Kubelet {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    manifests: PathBuf,
+    pod_logs: PathBuf,
+    root_dir: PathBuf,
+    log: PathBuf,
+    node_ip: String,
+    read_only_port: u16,
+}
+
+impl Kubelet {
+    /// Starts kubelet with its config written for `h` and `net`. The cgroup driver is not set:
+    /// kubelet takes the one hako reports (RuntimeConfig).
+    fn start(h: &Hako, net: &TestNet) -> Kubelet {
+        let dir = tempfile::tempdir().unwrap();
+        let manifests = dir.path().join("manifests");
+        let pod_logs = dir.path().join("pod-logs");
+        let root_dir = dir.path().join("root");
+        for d in [&manifests, &pod_logs, &root_dir] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        // kubelet refuses a loopback node IP; the test bridge's address is the host's own and
+        // reaches the pods. The CNI plugin would make the bridge with the first pod; kubelet
+        // binds to its address before that, so it is made here (the plugin takes it as is).
+        let node_ip = net.gateway.clone();
+        for args in [
+            vec!["link", "add", &net.bridge, "type", "bridge"],
+            vec!["addr", "add", &format!("{node_ip}/24"), "dev", &net.bridge],
+            vec!["link", "set", &net.bridge, "up"],
+        ] {
+            let out = Command::new("ip").args(&args).output().unwrap();
+            assert!(out.status.success(), "ip {args:?}: {out:?}");
+        }
+        let read_only_port = free_port();
+        let config = format!(
+            r#"apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+containerRuntimeEndpoint: {endpoint}
+imageServiceEndpoint: {endpoint}
+staticPodPath: {manifests}
+fileCheckFrequency: 1s
+address: {node_ip}
+port: {port}
+readOnlyPort: {read_only_port}
+healthzPort: 0
+authentication:
+  anonymous:
+    enabled: true
+  webhook:
+    enabled: false
+authorization:
+  mode: AlwaysAllow
+cgroupRoot: /
+failCgroupV1: false
+failSwapOn: false
+serializeImagePulls: false
+podCIDR: {prefix}.0/24
+podLogsDir: {pod_logs}
+resolvConf: ""
+featureGates:
+  PodAndContainerStatsFromCRI: true
+"#,
+            endpoint = h.endpoint(),
+            manifests = manifests.display(),
+            port = free_port(),
+            prefix = net.prefix,
+            pod_logs = pod_logs.display(),
+        );
+        let config_path = dir.path().join("config.yaml");
+        std::fs::write(&config_path, config).unwrap();
+        let log = dir.path().join("kubelet.log");
+        let child = Command::new(support::which("kubelet").unwrap())
+            .arg(format!("--config={}", config_path.display()))
+            .arg(format!("--root-dir={}", root_dir.display()))
+            .arg(format!("--cert-dir={}", dir.path().join("pki").display()))
+            .arg(format!("--hostname-override={NODE}"))
+            .arg(format!("--node-ip={node_ip}"))
+            .arg("--v=2")
+            .stdout(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .stderr(Stdio::from(
+                std::fs::File::options().append(true).open(&log).unwrap(),
+            ))
+            .spawn()
+            .expect("start kubelet");
+        Kubelet {
+            child: Some(child),
+            dir,
+            manifests,
+            pod_logs,
+            root_dir,
+            log,
+            node_ip,
+            read_only_port,
+        }
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|c| c.try_wait().unwrap())
+    }
+
+    /// GET on the read-only port; the body, or None while kubelet does not answer.
+    fn get(&self, path: &str) -> Option<Value> {
+        let body = http_get(&format!("{}:{}", self.node_ip, self.read_only_port), path)?;
+        serde_json::from_str(&body).ok()
+    }
+
+    /// The static pods kubelet reports (`/pods`), by pod name (without the node suffix).
+    fn pods(&self) -> HashMap<String, Value> {
+        let Some(list) = self.get("/pods") else {
+            return HashMap::new();
+        };
+        list["items"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|p| {
+                let name = p["metadata"]["name"].as_str()?;
+                let name = name.strip_suffix(&format!("-{NODE}"))?.to_string();
+                Some((name, p))
+            })
+            .collect()
+    }
+
+    fn pod(&self, name: &str) -> Option<Value> {
+        self.pods().remove(name)
+    }
+
+    fn write_manifest(&self, name: &str, yaml: &str) {
+        // Written beside the dir and renamed in: kubelet must never read half a file.
+        let tmp = self.dir.path().join(format!("{name}.yaml.tmp"));
+        std::fs::write(&tmp, yaml).unwrap();
+        std::fs::rename(&tmp, self.manifests.join(format!("{name}.yaml"))).unwrap();
+    }
+
+    fn remove_manifest(&self, name: &str) {
+        std::fs::remove_file(self.manifests.join(format!("{name}.yaml"))).unwrap();
+    }
+
+    /// Waits for `cond` on kubelet's view of pod `name`; fails with what kubelet last said.
+    async fn wait_pod(&mut self, what: &str, name: &str, cond: impl Fn(&Value) -> bool) -> Value {
+        let deadline = std::time::Instant::now() + REACT;
+        loop {
+            let pod = self.pod(name);
+            if let Some(p) = pod.as_ref().filter(|p| cond(p)) {
+                return p.clone();
+            }
+            if let Some(status) = self.exited() {
+                panic!("kubelet exited with {status}:\n{}", self.log_tail());
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out after {REACT:?} waiting for {what}; kubelet reports {}\n{}",
+                serde_json::to_string_pretty(&pod).unwrap(),
+                self.log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn log_tail(&self) -> String {
+        let text = self.log_text();
+        let lines: Vec<&str> = text.lines().collect();
+        format!(
+            "--- kubelet log (last 60 lines) ---\n{}",
+            lines[lines.len().saturating_sub(60)..].join("\n")
+        )
+    }
+}
+
+impl Drop for Kubelet {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            for _ in 0..250 {
+                if c.try_wait().ok().flatten().is_some() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let dir = self.dir.path().display().to_string();
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        for m in mounts.lines().rev() {
+            if let Some(point) = m.split(' ').nth(4).filter(|p| p.starts_with(&dir)) {
+                let _ = nix::mount::umount2(point, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+        // kubelet's QoS cgroups (empty once its pods are gone); rmdir refuses a busy one.
+        for m in cgroup_mounts() {
+            for q in ["kubepods/besteffort", "kubepods/burstable", "kubepods"] {
+                let _ = std::fs::remove_dir(m.join(q));
+            }
+        }
+        if std::thread::panicking() {
+            eprintln!("{}", self.log_tail());
+        }
+    }
+}
+
+/// An HTTP/1.0 GET (the server closes, no chunking); the body of a 200 answer.
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s =
+        std::net::TcpStream::connect_timeout(&addr.parse().ok()?, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    let (head, body) = out.split_once("\r\n\r\n")?;
+    let code = head.split(' ').nth(1)?;
+    (code == "200").then(|| body.to_string())
+}
+
+/// kubelet's status of container `name` (app, init or sidecar) in pod `p`.
+fn container_status<'a>(p: &'a Value, name: &str) -> Option<&'a Value> {
+    ["containerStatuses", "initContainerStatuses"]
+        .iter()
+        .filter_map(|k| p["status"][k].as_array())
+        .flatten()
+        .find(|c| c["name"] == name)
+}
+
+fn running(p: &Value, name: &str) -> bool {
+    container_status(p, name).is_some_and(|c| c["state"]["running"].is_object())
+}
+
+fn restart_count(p: &Value, name: &str) -> i64 {
+    container_status(p, name)
+        .and_then(|c| c["restartCount"].as_i64())
+        .unwrap_or(-1)
+}
+
+/// hako's containers of the pod kubelet calls `pod`, by (container name, attempt).
+async fn hako_containers(rt: &mut Rt, pod: &str) -> Vec<cri::Container> {
+    let sandboxes = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .items;
+    let ids: Vec<String> = sandboxes
+        .iter()
+        .filter(|s| s.metadata.as_ref().unwrap().name == format!("{pod}-{NODE}"))
+        .map(|s| s.id.clone())
+        .collect();
+    let mut cs: Vec<cri::Container> = rt
+        .list_containers(cri::ListContainersRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .containers
+        .into_iter()
+        .filter(|c| ids.contains(&c.pod_sandbox_id))
+        .collect();
+    cs.sort_by_key(|c| {
+        let m = c.metadata.clone().unwrap();
+        (m.name, m.attempt)
+    });
+    cs
+}
+
+fn name_attempt(c: &cri::Container) -> (String, u32) {
+    let m = c.metadata.as_ref().unwrap();
+    (m.name.clone(), m.attempt)
+}
+
+/// hako's running container `name` of `pod`.
+async fn hako_running(rt: &mut Rt, pod: &str, name: &str) -> cri::Container {
+    hako_containers(rt, pod)
+        .await
+        .into_iter()
+        .find(|c| {
+            c.metadata.as_ref().unwrap().name == name
+                && c.state == cri::ContainerState::ContainerRunning as i32
+        })
+        .unwrap_or_else(|| panic!("hako runs no container {name} of pod {pod}"))
+}
+
+/// The pod's sandbox id in hako.
+async fn sandbox_id(rt: &mut Rt, pod: &str) -> String {
+    rt.list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .items
+        .into_iter()
+        .find(|s| {
+            s.metadata.as_ref().unwrap().name == format!("{pod}-{NODE}")
+                && s.state == cri::PodSandboxState::SandboxReady as i32
+        })
+        .unwrap_or_else(|| panic!("hako has no ready sandbox for pod {pod}"))
+        .id
+}
+
+/// A pod manifest with the busybox stand-in for every container.
+fn manifest(name: &str, spec: &str) -> String {
+    let spec = spec.replace("IMAGE", IMAGE);
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n{spec}"
+    )
+}
+
+/// A web server with a native sidecar that fetches from it over the pod's loopback, after an
+/// init container that writes what it serves. Requests and limits make it Burstable; a
+/// readiness probe keeps kubelet calling into hako (ExecSync) for as long as it runs.
+const WEB: &str = r#"  terminationGracePeriodSeconds: 2
+  volumes:
+  - name: www
+    emptyDir: {}
+  initContainers:
+  - name: init
+    image: IMAGE
+    imagePullPolicy: IfNotPresent
+    command: ["sh", "-c", "echo served-after-init > /www/index.html"]
+    volumeMounts: [{name: www, mountPath: /www}]
+  - name: sidecar
+    image: IMAGE
+    imagePullPolicy: IfNotPresent
+    restartPolicy: Always
+    command: ["sh", "-c", "trap 'exit 0' TERM; while true; do printf 'GET / HTTP/1.0\r\n\r\n' | nc -w 2 127.0.0.1 8080 | tail -n 1; sleep 1; done"]
+  containers:
+  - name: web
+    image: IMAGE
+    imagePullPolicy: IfNotPresent
+    command: ["httpd", "-f", "-p", "8080", "-h", "/www"]
+    volumeMounts: [{name: www, mountPath: /www}]
+    readinessProbe:
+      exec: {command: ["true"]}
+      periodSeconds: 1
+    resources:
+      requests: {cpu: 100m, memory: 32Mi}
+      limits: {cpu: 200m, memory: 64Mi}
+"#;
+
+/// Healthy until /tmp/dead exists (a fresh container never has it).
+const PROBED: &str = r#"  terminationGracePeriodSeconds: 1
+  containers:
+  - name: live
+    image: IMAGE
+    imagePullPolicy: IfNotPresent
+    command: ["sh", "-c", "echo attempt-started; trap 'exit 0' TERM; while true; do sleep 1; done"]
+    livenessProbe:
+      exec: {command: ["sh", "-c", "test ! -e /tmp/dead"]}
+      periodSeconds: 1
+      failureThreshold: 1
+"#;
+
+const CRASHING: &str = r#"  terminationGracePeriodSeconds: 1
+  containers:
+  - name: crash
+    image: IMAGE
+    imagePullPolicy: IfNotPresent
+    command: ["sh", "-c", "echo crash-run; exit 3"]
+"#;
+
+const NEVER: &str = r#"  terminationGracePeriodSeconds: 1
+  restartPolicy: Never
+  containers:
+  - name: once
+    image: IMAGE
+    imagePullPolicy: IfNotPresent
+    command: ["sh", "-c", "echo bye; exit 7"]
+"#;
+
+/// The directory of `pid`'s cgroup for `controller` (a v1 hierarchy of that name, else the
+/// v2 one), and whether it is v2.
+fn cgroup_dir(pid: i32, controller: &str) -> (PathBuf, bool) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next(), parts.next().unwrap(), parts.next().unwrap());
+        if ctrls.split(',').any(|c| c == controller) {
+            let mount = cgroup_mounts()
+                .into_iter()
+                .find(|m| {
+                    m.file_name()
+                        .is_some_and(|n| n.to_str().unwrap().split(',').any(|c| c == controller))
+                })
+                .unwrap_or_else(|| PathBuf::from(format!("/sys/fs/cgroup/{controller}")));
+            return (mount.join(path.trim_start_matches('/')), false);
+        }
+    }
+    let path = text
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .unwrap_or_else(|| panic!("pid {pid} has no cgroup for {controller}: {text}"));
+    let mount = cgroup_mounts()
+        .into_iter()
+        .find(|m| {
+            std::fs::read_to_string(m.join("cgroup.controllers"))
+                .is_ok_and(|c| c.contains(controller))
+        })
+        .unwrap_or_else(|| panic!("no cgroup v2 mount with {controller}"));
+    (mount.join(path.trim_start_matches('/')), true)
+}
+
+fn read_trim(p: &Path) -> String {
+    std::fs::read_to_string(p)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        .trim()
+        .to_string()
+}
+
+/// (rx_bytes, tx_bytes) of eth0 as the kernel counts them in `pid`'s network namespace.
+fn netns_eth0(pid: i32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("eth0:"))
+        .unwrap_or_else(|| panic!("no eth0 in the pod's netns: {text}"));
+    let f: Vec<u64> = line
+        .split_once(':')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    (f[0], f[8])
+}
+
+/// Lines of hako's log after byte `from` that mention `needle` (colours taken out).
+fn hako_log_count(h: &Hako, from: usize, needle: &str) -> usize {
+    let text = h.log_text();
+    text.get(from..)
+        .unwrap_or("")
+        .lines()
+        .filter(|l| without_colours(l).contains(needle))
+        .count()
+}
+
+fn without_colours(line: &str) -> String {
+    let mut out = String::new();
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            // CSI: ESC [ parameters, up to the final letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// After hako came back (its log from byte `from`): kubelet has polled its status and probed
+/// the web container through it a few times, so a restart it wanted to make would have been
+/// made by now.
+async fn wait_kubelet_resynced(h: &Hako, from: usize, web_id: &str) {
+    support::wait_for(
+        "kubelet to poll hako's status and probe the web container again",
+        REACT,
+        || {
+            hako_log_count(h, from, "rpc=\"Status\"") >= 3
+                && hako_log_count(h, from, &format!("rpc=\"ExecSync\" container={web_id}")) >= 5
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kubelet_runs_static_pods_on_hako() {
+    if !support::e2e_ready(&["kubelet", "crictl"]) || !cni::ready() {
+        return;
+    }
+    let net = TestNet::new();
+    let Some((_reg, mut h)) = ready_with_config(&net.hako_config(30)).await else {
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let mut k = Kubelet::start(&h, &net);
+
+    // RuntimeConfig: the driver hako reports is the one kubelet runs with.
+    support::wait_for("kubelet to take the cgroup driver from hako", REACT, || {
+        k.log_text()
+            .contains("Using cgroup driver setting received from the CRI runtime")
+    })
+    .await;
+    let driver_line = k
+        .log_text()
+        .lines()
+        .find(|l| l.contains("Using cgroup driver setting received from the CRI runtime"))
+        .unwrap()
+        .to_string();
+    assert!(
+        driver_line.contains("cgroupDriver=\"cgroupfs\""),
+        "{driver_line}"
+    );
+
+    // A web server and its sidecar on the CNI network, after the init container.
+    k.write_manifest("web", &manifest("web", WEB));
+    let web = k
+        .wait_pod("the web pod to run", "web", |p| {
+            running(p, "web") && running(p, "sidecar") && p["status"]["podIP"].is_string()
+        })
+        .await;
+    let pod_ip = web["status"]["podIP"].as_str().unwrap().to_string();
+    assert!(pod_ip.starts_with(&format!("{}.", net.prefix)), "{pod_ip}");
+    let web_sandbox = sandbox_id(&mut rt, "web").await;
+    let net_status = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: web_sandbox.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap()
+        .network
+        .unwrap();
+    assert_eq!(net_status.ip, pod_ip, "hako's and kubelet's pod IP");
+    let mut body = None;
+    support::wait_for("the web server to answer on the pod IP", REACT, || {
+        body = http_get(&format!("{pod_ip}:8080"), "/");
+        body.is_some()
+    })
+    .await;
+    assert_eq!(body.unwrap().trim(), "served-after-init");
+    // The sidecar reached it over the pod's loopback: its log (kubelet's file) shows the body.
+    let web_uid = web["metadata"]["uid"].as_str().unwrap().to_string();
+    let pod_log_dir = k.pod_logs.join(format!("default_web-{NODE}_{web_uid}"));
+    support::wait_for(
+        "the sidecar to log what the web server served",
+        REACT,
+        || {
+            std::fs::read_to_string(pod_log_dir.join("sidecar/0.log"))
+                .is_ok_and(|l| l.contains("served-after-init"))
+        },
+    )
+    .await;
+
+    // The init container ran to completion, before the app containers (what they serve is
+    // what it wrote), as kubelet and hako report it.
+    let init = container_status(&web, "init").expect("init status");
+    assert_eq!(init["state"]["terminated"]["exitCode"], 0, "{init}");
+    assert_eq!(init["state"]["terminated"]["reason"], "Completed", "{init}");
+    let web_ctr = container_status(&web, "web").unwrap();
+    assert!(
+        init["state"]["terminated"]["finishedAt"].as_str().unwrap()
+            <= web_ctr["state"]["running"]["startedAt"].as_str().unwrap(),
+        "init finished after web started: {init} {web_ctr}"
+    );
+    let cs = hako_containers(&mut rt, "web").await;
+    let init_c = cs
+        .iter()
+        .find(|c| c.metadata.as_ref().unwrap().name == "init")
+        .expect("hako lists the init container");
+    let init_s = status(&mut rt, &init_c.id).await;
+    assert_eq!(
+        (init_s.state, init_s.exit_code),
+        (cri::ContainerState::ContainerExited as i32, 0)
+    );
+    let web_c = hako_running(&mut rt, "web", "web").await;
+    let web_s = status(&mut rt, &web_c.id).await;
+    assert!(
+        init_s.finished_at <= web_s.started_at,
+        "hako: init finished at {} after web started at {}",
+        init_s.finished_at,
+        web_s.started_at
+    );
+
+    // Resources from the manifest reach the container's cgroup, under the Burstable QoS
+    // parent kubelet chose.
+    let web_pid = container_pid(&mut rt, &web_c.id).await;
+    let (mem, v2) = cgroup_dir(web_pid, "memory");
+    let parent = format!("kubepods/burstable/pod{web_uid}");
+    assert!(
+        mem.display().to_string().contains(&parent),
+        "{} is not under {parent}",
+        mem.display()
+    );
+    let (cpu, _) = cgroup_dir(web_pid, "cpu");
+    if v2 {
+        assert_eq!(
+            read_trim(&mem.join("memory.max")),
+            (64u64 << 20).to_string()
+        );
+        assert_eq!(read_trim(&cpu.join("cpu.max")), "20000 100000");
+    } else {
+        assert_eq!(
+            read_trim(&mem.join("memory.limit_in_bytes")),
+            (64u64 << 20).to_string()
+        );
+        assert_eq!(read_trim(&cpu.join("cpu.cfs_quota_us")), "20000");
+        assert_eq!(read_trim(&cpu.join("cpu.cfs_period_us")), "100000");
+        // 100m requested: 1024 * 0.1, as kubelet rounds it.
+        assert_eq!(read_trim(&cpu.join("cpu.shares")), "102");
+    }
+
+    // /stats/summary: CPU, memory, rootfs, logs and network for the pod, the network close to
+    // what hako and the netns counters say (read after it, so at least as much).
+    let mut summary_pod = Value::Null;
+    support::wait_for(
+        "kubelet's summary to hold the web pod with its network",
+        REACT,
+        || {
+            let Some(s) = k.get("/stats/summary") else {
+                return false;
+            };
+            let found = s["pods"].as_array().into_iter().flatten().find(|p| {
+                p["podRef"]["name"] == format!("web-{NODE}")
+                    && p["network"]["interfaces"].is_array()
+                    && p["containers"].as_array().is_some_and(|c| c.len() >= 2)
+            });
+            if let Some(p) = found {
+                summary_pod = p.clone();
+            }
+            found.is_some()
+        },
+    )
+    .await;
+    let p = &summary_pod;
+    assert!(
+        p["cpu"]["usageCoreNanoSeconds"].as_u64().unwrap() > 0,
+        "{p}"
+    );
+    assert!(p["memory"]["workingSetBytes"].as_u64().unwrap() > 0, "{p}");
+    let web_stats = p["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "web")
+        .unwrap_or_else(|| panic!("no web container in {p}"));
+    assert!(web_stats["rootfs"]["usedBytes"].is_u64(), "{web_stats}");
+    assert!(web_stats["logs"]["usedBytes"].is_u64(), "{web_stats}");
+    assert!(
+        web_stats["memory"]["workingSetBytes"].as_u64().unwrap() > 0,
+        "{web_stats}"
+    );
+    let eth0 = p["network"]["interfaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["name"] == "eth0")
+        .unwrap_or_else(|| panic!("no eth0 in {p}"))
+        .clone();
+    let summary_rx = eth0["rxBytes"].as_u64().unwrap();
+    let summary_tx = eth0["txBytes"].as_u64().unwrap();
+    assert!(summary_rx > 0 && summary_tx > 0, "{eth0}");
+    let hako_net = rt
+        .pod_sandbox_stats(cri::PodSandboxStatsRequest {
+            pod_sandbox_id: web_sandbox.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .stats
+        .unwrap()
+        .linux
+        .unwrap()
+        .network
+        .expect("hako reports the pod's network");
+    let hako_eth0 = hako_net.default_interface.expect("a default interface");
+    assert_eq!(hako_eth0.name, "eth0");
+    let (ns_rx, ns_tx) = netns_eth0(web_pid);
+    let hako_rx = hako_eth0.rx_bytes.unwrap().value;
+    let hako_tx = hako_eth0.tx_bytes.unwrap().value;
+    assert!(
+        summary_rx <= hako_rx && hako_rx <= ns_rx && summary_tx <= hako_tx && hako_tx <= ns_tx,
+        "rx/tx: summary {summary_rx}/{summary_tx}, hako {hako_rx}/{hako_tx}, netns {ns_rx}/{ns_tx}"
+    );
+
+    // An exec liveness probe that starts failing restarts the container as attempt 1; the
+    // first attempt's log stays readable.
+    k.write_manifest("probed", &manifest("probed", PROBED));
+    k.wait_pod("the probed pod to run", "probed", |p| running(p, "live"))
+        .await;
+    let first = hako_running(&mut rt, "probed", "live").await;
+    assert_eq!(name_attempt(&first), ("live".into(), 0));
+    exec(&mut rt, &first.id, "touch /tmp/dead").await;
+    let probed = k
+        .wait_pod("kubelet to restart the failing container", "probed", |p| {
+            restart_count(p, "live") == 1 && running(p, "live")
+        })
+        .await;
+    let last = &container_status(&probed, "live").unwrap()["lastState"]["terminated"];
+    assert!(last.is_object(), "{probed}");
+    let second = hako_running(&mut rt, "probed", "live").await;
+    assert_eq!(name_attempt(&second), ("live".into(), 1));
+    let first_s = status(&mut rt, &first.id).await;
+    assert_eq!(first_s.state, cri::ContainerState::ContainerExited as i32);
+    assert!(
+        std::fs::read_to_string(&first_s.log_path).is_ok_and(|l| l.contains("attempt-started")),
+        "the first attempt's log {} is not readable",
+        first_s.log_path
+    );
+    let crictl = support::which("crictl").unwrap();
+    let out = Command::new(&crictl)
+        .args(["--runtime-endpoint", &h.endpoint(), "logs", &first.id])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("attempt-started"),
+        "crictl logs of the first attempt: {out:?}"
+    );
+    k.remove_manifest("probed");
+
+    // A container exiting non-zero is restarted; with restartPolicy Never it stays exited
+    // with its code.
+    k.write_manifest("crashing", &manifest("crashing", CRASHING));
+    k.write_manifest("never", &manifest("never", NEVER));
+    let crashing = k
+        .wait_pod(
+            "kubelet to restart the crashing container",
+            "crashing",
+            |p| {
+                restart_count(p, "crash") >= 1
+                    && container_status(p, "crash").unwrap()["lastState"]["terminated"]["exitCode"]
+                        == 3
+            },
+        )
+        .await;
+    let attempts: Vec<(String, u32)> = hako_containers(&mut rt, "crashing")
+        .await
+        .iter()
+        .map(name_attempt)
+        .collect();
+    assert!(
+        attempts.contains(&("crash".into(), 1)),
+        "hako's containers {attempts:?}; kubelet: {crashing}"
+    );
+    let never = k
+        .wait_pod("the never-restarted pod to fail", "never", |p| {
+            p["status"]["phase"] == "Failed"
+        })
+        .await;
+    let once = container_status(&never, "once").unwrap();
+    assert_eq!(once["state"]["terminated"]["exitCode"], 7, "{once}");
+    assert_eq!(once["state"]["terminated"]["reason"], "Error", "{once}");
+    assert_eq!(once["restartCount"], 0, "{once}");
+    let cs = hako_containers(&mut rt, "never").await;
+    assert_eq!(cs.len(), 1, "{cs:?}");
+    let once_s = status(&mut rt, &cs[0].id).await;
+    assert_eq!(
+        (once_s.state, once_s.exit_code),
+        (cri::ContainerState::ContainerExited as i32, 7)
+    );
+    k.remove_manifest("crashing");
+    k.remove_manifest("never");
+
+    // Restarting hako, gracefully then with kill -9, under the running kubelet restarts no
+    // container: the attempts hako runs and kubelet's restart counts stay as they were.
+    let before: Vec<(String, u32)> = hako_containers(&mut rt, "web")
+        .await
+        .iter()
+        .map(name_attempt)
+        .collect();
+    let web_id = web_c.id.clone();
+    for graceful in [true, false] {
+        let from = h.log_text().len();
+        if graceful {
+            assert!(h.stop().success());
+        } else {
+            h.kill9();
+        }
+        h.restart();
+        rt = h.runtime().await;
+        wait_kubelet_resynced(&h, from, &web_id).await;
+        let after: Vec<(String, u32)> = hako_containers(&mut rt, "web")
+            .await
+            .iter()
+            .map(name_attempt)
+            .collect();
+        assert_eq!(
+            after, before,
+            "hako's containers after a restart (graceful: {graceful})"
+        );
+        assert_eq!(hako_running(&mut rt, "web", "web").await.id, web_id);
+        let web = k.pod("web").unwrap();
+        for c in ["web", "sidecar"] {
+            assert_eq!(
+                restart_count(&web, c),
+                0,
+                "{c} (graceful: {graceful}): {web}"
+            );
+        }
+    }
+
+    // Deleting the manifests tears the pods down: nothing of them is left in hako, in the
+    // kernel (mounts, netns, cgroups, IP leases) or in kubelet's dirs.
+    let web_dir = k.root_dir.join("pods").join(&web_uid);
+    assert!(web_dir.is_dir(), "{} while the pod runs", web_dir.display());
+    let pod_cgroups: Vec<PathBuf> = cgroup_mounts()
+        .into_iter()
+        .map(|m| m.join(&parent))
+        .filter(|d| d.is_dir())
+        .collect();
+    assert!(
+        !pod_cgroups.is_empty(),
+        "no cgroup dir {parent} while the pod runs"
+    );
+    assert!(!net.leased().is_empty());
+    k.remove_manifest("web");
+    support::wait_for(
+        "kubelet to forget the pods and hako to remove them",
+        GC,
+        || {
+            k.pods().is_empty()
+                && std::fs::read_dir(h.state.join("pods")).is_ok_and(|mut d| d.next().is_none())
+        },
+    )
+    .await;
+    let deadline = std::time::Instant::now() + GC;
+    loop {
+        let sandboxes = rt
+            .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+            .await
+            .unwrap()
+            .into_inner()
+            .items;
+        if sandboxes.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "kubelet left sandboxes in hako: {sandboxes:?}\n{}",
+            k.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    support::wait_for("kubelet to remove the pod's cgroup and dir", GC, || {
+        pod_cgroups.iter().all(|d| !d.exists()) && !web_dir.exists()
+    })
+    .await;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    // (kubelet's root dir is a bind mount of its own for as long as kubelet runs.)
+    for dir in [h.dir.path(), &k.root_dir.join("pods")] {
+        assert!(
+            !mounts.contains(&dir.display().to_string()),
+            "mounts left under {}:\n{mounts}",
+            dir.display()
+        );
+    }
+    assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
+    for d in watched_dirs(&h) {
+        let left = Hako::files_under(&d);
+        assert!(left.is_empty(), "{} left: {left:?}", d.display());
+    }
+    assert!(
+        net.leased().is_empty(),
+        "IP leases left: {:?}",
+        net.leased()
+    );
+    assert!(net.veths().is_empty(), "veths left: {:?}", net.veths());
+}
+
+/// Host checks of `kubeadm init phase preflight` that cannot pass on a test machine and are
+/// not the runtime's business; each is ignored by name, none of the runtime's (CRI,
+/// ContainerRuntimeVersion, ImagePull) is.
+const HOST_CHECKS: &[&str] = &[
+    // No systemd as PID 1 on the e2e machines: the kubelet service cannot be checked.
+    "Service-Kubelet",
+    // kubeadm's system verifier rejects these machines' cgroup v1 hierarchies and kernel
+    // config (it checks the host, not the runtime).
+    "SystemVerification",
+    // A CI machine may have swap on, fewer than 2 CPUs or 1700 MB.
+    "Swap",
+    "NumCPU",
+    "Mem",
+];
+
+/// kubeadm's preflight against hako passes its container runtime checks: the runtime answers
+/// (CRI), implements RuntimeConfig (ContainerRuntimeVersion) and pulls the control plane
+/// images (ImagePull; stand-ins under their public names, served by the local registry).
+#[tokio::test(flavor = "multi_thread")]
+async fn kubeadm_preflight_passes_the_runtime_checks() {
+    if !support::e2e_ready(&["kubeadm"]) {
+        return;
+    }
+    let Some((reg, h)) = ready().await else {
+        return;
+    };
+    let kubeadm = support::which("kubeadm").unwrap();
+    // The kubelet built beside kubeadm, for its KubeletVersion check.
+    let path = format!(
+        "{}:{}",
+        kubeadm.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let run = |args: &[&str]| {
+        let out = Command::new(&kubeadm)
+            .args(args)
+            .env("PATH", &path)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let (ok, version) = run(&["version", "-o", "short"]);
+    assert!(ok, "{version}");
+    let version = version.trim().to_string();
+    let (ok, images) = run(&["config", "images", "list", "--kubernetes-version", &version]);
+    assert!(ok, "{images}");
+    let base = support::oci::Layer::new(
+        &support::oci::busybox_base_tar(),
+        support::oci::Compression::Gzip,
+        false,
+    );
+    let img = support::oci::Image::new(vec![base], &support::oci::ImageConf::default(), false);
+    let pusher = support::oci::Pusher::new(&reg.addr);
+    let images: Vec<&str> = images.lines().filter(|l| !l.is_empty()).collect();
+    assert!(images.len() >= 5, "{images:?}");
+    for image in &images {
+        let path = image
+            .strip_prefix("registry.k8s.io/")
+            .unwrap_or_else(|| panic!("{image} is not on registry.k8s.io"));
+        let (repo, tag) = path.rsplit_once(':').unwrap();
+        pusher.push(repo, tag, &img).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("kubeadm.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "apiVersion: kubeadm.k8s.io/v1beta4\nkind: InitConfiguration\nnodeRegistration:\n  criSocket: {}\n---\napiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration\nkubernetesVersion: {version}\n",
+            h.endpoint()
+        ),
+    )
+    .unwrap();
+    let (ok, out) = run(&[
+        "init",
+        "phase",
+        "preflight",
+        "--config",
+        config.to_str().unwrap(),
+        "--ignore-preflight-errors",
+        &HOST_CHECKS.join(","),
+        "--v=1",
+    ]);
+    eprintln!("{out}");
+    assert!(ok, "kubeadm preflight failed:\n{out}");
+    for check in ["CRI", "ContainerRuntimeVersion", "ImagePull"] {
+        assert!(
+            !out.contains(&format!("[WARNING {check}]"))
+                && !out.contains(&format!("[ERROR {check}]")),
+            "kubeadm's {check} check complained:\n{out}"
+        );
+    }
+    // The images were pulled through hako.
+    let mut images_client = h.images().await;
+    for image in &images {
+        let st = images_client
+            .image_status(cri::ImageStatusRequest {
+                image: Some(cri::ImageSpec {
+                    image: image.to_string(),
+                    ..Default::default()
+                }),
+                verbose: false,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(
+            st.image.is_some(),
+            "hako does not have {image} after the preflight"
+        );
+    }
+}
