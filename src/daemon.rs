@@ -208,9 +208,10 @@ pub async fn serve(config: Config) -> Result<()> {
     let listen = config.listen.clone();
     let shutdown = signalled()?;
     let daemon = Arc::new(Daemon::open(config).await?);
-    // The pods' Backend (src/pods/streams.rs) replaces the placeholder when it lands.
+    // The server reaches the pods through a weak handle: the daemon holds the server, and a
+    // strong one would keep the daemon (and its store) alive past shutdown.
     daemon
-        .start_streaming(Arc::new(crate::streaming::NoBackend))
+        .start_streaming(Arc::new(PodStreams(Arc::downgrade(&daemon))))
         .await?;
     let listener = bind(&listen)?;
     tracing::info!(socket = %listen.display(), version = env!("CARGO_PKG_VERSION"), "hako serving CRI");
@@ -221,4 +222,33 @@ pub async fn serve(config: Config) -> Result<()> {
     drop(daemon);
     tracing::info!("stopped");
     result
+}
+
+/// The streaming server's way to the daemon's pods (see `serve`).
+struct PodStreams(std::sync::Weak<Daemon>);
+
+impl PodStreams {
+    fn daemon(&self) -> Result<Arc<Daemon>> {
+        self.0
+            .upgrade()
+            .ok_or_else(|| Error::Unavailable("the daemon is shutting down".into()))
+    }
+}
+
+#[tonic::async_trait]
+impl crate::streaming::Backend for PodStreams {
+    async fn exec(&self, req: crate::streaming::ExecRequest) -> Result<crate::streaming::Session> {
+        crate::streaming::Backend::exec(&*self.daemon()?, req).await
+    }
+
+    async fn attach(
+        &self,
+        req: crate::streaming::AttachRequest,
+    ) -> Result<crate::streaming::Session> {
+        crate::streaming::Backend::attach(&*self.daemon()?, req).await
+    }
+
+    async fn port_forward(&self, pod_sandbox_id: &str, port: u16) -> Result<tokio::net::TcpStream> {
+        crate::streaming::Backend::port_forward(&*self.daemon()?, pod_sandbox_id, port).await
+    }
 }

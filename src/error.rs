@@ -115,15 +115,24 @@ impl From<hako_runtime::Error> for Error {
                 Error::InvalidArgument(msg)
             }
             // Limits the kernel or libcgroups refuses.
-            R::Resources { .. } | R::CgroupUpdate { .. } => Error::InvalidArgument(msg),
+            R::CgroupUpdate { .. } => Error::InvalidArgument(msg),
+            // Devices the request names that CDI cannot give as asked.
+            R::CdiName { .. } | R::CdiAmbiguous { .. } | R::CdiSpec { .. } | R::CdiEdit { .. } => {
+                Error::InvalidArgument(msg)
+            }
             // What the request names is not on this host.
-            R::AppArmorNotLoaded { .. } | R::CgroupNotFound { .. } => Error::NotFound(msg),
+            R::AppArmorNotLoaded { .. } | R::CgroupNotFound { .. } | R::CdiNotFound { .. } => {
+                Error::NotFound(msg)
+            }
             // The host cannot do what is asked as it is set up.
             R::AppArmorNotEnabled { .. } | R::AppArmorNoParser { .. } | R::AppArmorLoad { .. } => {
                 Error::FailedPrecondition(msg)
             }
+            // The pod's PID namespace ended with its infra process: the pod must be remade.
+            R::PidNsGone => Error::FailedPrecondition(msg),
             R::Io { op, path, source } => Error::Io { op, path, source },
-            R::CgroupRead { .. } | R::InvalidSpec(_) => Error::Internal(msg),
+            // The monitor's own set-up: the host or hako failed, not the request.
+            R::CgroupRead { .. } | R::Sys { .. } | R::Helper(_) => Error::Internal(msg),
         }
     }
 }
@@ -169,7 +178,7 @@ mod tests {
     /// Each cause of the runtime crate reaches the client with its code and its whole chain.
     #[test]
     fn runtime_errors_map_to_grpc_codes() {
-        use hako_runtime::error::ProfileDefect;
+        use hako_runtime::error::{CdiNameDefect, ProfileDefect};
         use hako_runtime::Error as R;
         use tonic::Code;
         let json_error = || serde_json::from_str::<u32>("x").unwrap_err();
@@ -261,17 +270,65 @@ mod tests {
                 "read cgroup /hako/p/hako-c: denied",
             ),
             (
-                R::Resources {
-                    path: "/hako/p/hako-c".into(),
-                    source: json_error(),
+                R::CdiName {
+                    name: "v/c".into(),
+                    defect: CdiNameDefect::NotQualified,
                 },
                 Code::InvalidArgument,
-                "resources for cgroup /hako/p/hako-c: expected value",
+                "CDI device \"v/c\" is not a fully qualified name (vendor.com/class=name)",
             ),
             (
-                R::InvalidSpec(json_error()),
+                R::CdiNotFound {
+                    device: "v.com/c=d".into(),
+                    dirs: vec!["/etc/cdi".into(), "/var/run/cdi".into()],
+                    broken: vec!["/etc/cdi/x.json (cdiVersion: missing)".into()],
+                },
+                Code::NotFound,
+                "CDI device v.com/c=d not found in /etc/cdi, /var/run/cdi; it may be in a broken spec: /etc/cdi/x.json (cdiVersion: missing)",
+            ),
+            (
+                R::CdiAmbiguous {
+                    device: "v.com/c=d".into(),
+                    files: vec!["/a.json".into(), "/b.json".into()],
+                },
+                Code::InvalidArgument,
+                "CDI device v.com/c=d is ambiguous: defined in /a.json and /b.json",
+            ),
+            (
+                R::CdiSpec {
+                    file: "/etc/cdi/x.json".into(),
+                    at: "devices[0].name".into(),
+                    problem: "device \"d\" is defined twice".into(),
+                },
+                Code::InvalidArgument,
+                "devices[0].name: device \"d\" is defined twice",
+            ),
+            (
+                R::CdiEdit {
+                    file: "/etc/cdi/x.json".into(),
+                    device: "v.com/c=d".into(),
+                    problem: "/dev/x is not a device node".into(),
+                },
+                Code::InvalidArgument,
+                "CDI spec /etc/cdi/x.json: /dev/x is not a device node",
+            ),
+            (
+                R::PidNsGone,
+                Code::FailedPrecondition,
+                "the pod's PID namespace is gone",
+            ),
+            (
+                R::Sys {
+                    op: "unshare pod namespaces".into(),
+                    source: Box::new(io()),
+                },
                 Code::Internal,
-                "generated OCI spec is invalid: expected value",
+                "unshare pod namespaces: denied",
+            ),
+            (
+                R::Helper("infra process died".into()),
+                Code::Internal,
+                "infra process died",
             ),
         ];
         for (runtime, code, message) in cases {

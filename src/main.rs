@@ -151,7 +151,7 @@ fn monitor(options: &str) -> ExitCode {
     match hako_runtime::monitor::run(opts, ready) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("hako monitor: {e}");
+            eprintln!("hako monitor: {}", e.chain());
             ExitCode::FAILURE
         }
     }

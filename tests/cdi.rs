@@ -511,12 +511,16 @@ fn apply_all(dir: &std::path::Path, nodes: &std::path::Path) -> usize {
                 d.host_path = Some(stand_in.display().to_string());
             }
         }
-        let mut oci = hako_runtime::spec::generate_json(&hako_runtime::spec::ContainerSpec {
+        let mut oci = hako_runtime::spec::generate(&hako_runtime::spec::ContainerSpec {
             args: vec!["true".into()],
             ..Default::default()
         });
         hako_runtime::cdi::apply(&mut oci, &r).unwrap_or_else(|e| panic!("{name}: {e}"));
-        hako_runtime::spec::typed(oci).unwrap_or_else(|e| panic!("{name}: {e}"));
+        // What libcontainer reads back must be the spec that was edited.
+        let text = serde_json::to_string(&oci).unwrap();
+        let back: oci_spec::runtime::Spec =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(back, oci, "{name}");
     }
     devices.len()
 }

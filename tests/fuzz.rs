@@ -1422,7 +1422,7 @@ fn fuzz_cdi_spec() {
                         }
                         outcome.push_str(&format!("{file} ok; "));
                     }
-                    Err(e) => outcome.push_str(&format!("{file} {}; ", normalize(&e))),
+                    Err(e) => outcome.push_str(&format!("{file} {}; ", normalize(&e.to_string()))),
                 }
             }
             Ok(outcome)
@@ -1450,7 +1450,7 @@ fn fuzz_cdi_name() {
         },
         |input| {
             let s = String::from_utf8_lossy(input);
-            match parse_qualified(&s) {
+            match parse_qualified(&s).map_err(|e| e.to_string()) {
                 Ok((kind, name)) => {
                     if format!("{kind}={name}") != s || kind.matches('/').count() != 1 {
                         return Err(format!(

@@ -1,6 +1,6 @@
 //! CDI (Container Device Interface): device specs read from directories, fully qualified
 //! device names (`vendor.com/class=name`) resolved against them, and their container edits
-//! applied to a container's OCI spec (as JSON, before it is typed).
+//! applied to a container's OCI spec (`oci_spec::runtime::Spec`).
 //!
 //! Spec files are read as upstream's Go library (`tags.cncf.io/container-device-interface`,
 //! v1.1.0) reads them: JSON, or YAML as Go's YAML 1.1 parser reads it (unquoted `0640` is
@@ -16,10 +16,29 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+use oci_spec::runtime as oci;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use crate::error::{CdiNameDefect, Error, Result};
 use crate::spec::{device_node, device_rule, Device};
+
+/// What is wrong with a spec file, and where: `at` is the field's path (`devices[0].name`),
+/// empty for the file as a whole. [`parse_spec`] names the file.
+struct Bad {
+    at: String,
+    problem: String,
+}
+
+/// A [`Bad`] at `$at`, its problem as `format!` makes it.
+macro_rules! bad {
+    ($at:expr, $($fmt:tt)+) => {
+        Bad {
+            at: $at.to_string(),
+            problem: format!($($fmt)+),
+        }
+    };
+}
 
 /// Every `cdiVersion` upstream knows, oldest first. 0.1.0 and 0.2.0 are known but upstream
 /// requires at least [`EARLIEST`] of every spec, so they are refused with that reason.
@@ -308,7 +327,7 @@ fn go_yaml_bool(s: &str) -> Option<bool> {
     }
 }
 
-fn int_in(v: &Value, yaml: bool, min: i128, max: i128, at: &str) -> Result<Value, String> {
+fn int_in(v: &Value, yaml: bool, min: i128, max: i128, at: &str) -> Result<Value, Bad> {
     let n = match v {
         Value::Number(n) => n
             .as_i64()
@@ -321,22 +340,19 @@ fn int_in(v: &Value, yaml: bool, min: i128, max: i128, at: &str) -> Result<Value
     };
     match n {
         Some(n) if (min..=max).contains(&n) => Ok(json!(n as i64)),
-        Some(n) => Err(format!("{at}: {n} is out of range ({min} to {max})")),
-        None => Err(format!("{at}: expected an integer, found {}", describe(v))),
+        Some(n) => Err(bad!(at, "{n} is out of range ({min} to {max})")),
+        None => Err(bad!(at, "expected an integer, found {}", describe(v))),
     }
 }
 
-fn scalar(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
+fn scalar(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, Bad> {
     match ty {
         Ty::Str => match v {
             Value::String(_) => Ok(v),
             // Go's YAML reader turns a number or boolean into text where a string is wanted.
             Value::Number(n) if yaml => Ok(Value::String(n.to_string())),
             Value::Bool(b) if yaml => Ok(Value::String(b.to_string())),
-            other => Err(format!(
-                "{at}: expected a string, found {}",
-                describe(&other)
-            )),
+            other => Err(bad!(at, "expected a string, found {}", describe(&other))),
         },
         Ty::U32 => int_in(&v, yaml, 0, u32::MAX.into(), at),
         Ty::I64 => int_in(&v, yaml, i64::MIN.into(), i64::MAX.into(), at),
@@ -344,9 +360,10 @@ fn scalar(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
             Value::Bool(_) => Ok(v),
             Value::String(s) if yaml => go_yaml_bool(s)
                 .map(Value::Bool)
-                .ok_or_else(|| format!("{at}: expected true or false, found {}", describe(&v))),
-            other => Err(format!(
-                "{at}: expected true or false, found {}",
+                .ok_or_else(|| bad!(at, "expected true or false, found {}", describe(&v))),
+            other => Err(bad!(
+                at,
+                "expected true or false, found {}",
                 describe(other)
             )),
         },
@@ -357,8 +374,8 @@ fn scalar(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
 /// Checks a parsed document against upstream's types and rewrites it with their exact field
 /// names, so that serde reads it as Go would: keys matched case-insensitively, nulls as
 /// absent, YAML scalars read with YAML 1.1's rules. Errors name the field by its path.
-fn normalise(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
-    let list = |v: Value, each: Ty| -> Result<Value, String> {
+fn normalise(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, Bad> {
+    let list = |v: Value, each: Ty| -> Result<Value, Bad> {
         match v {
             Value::Array(items) => items
                 .into_iter()
@@ -367,7 +384,7 @@ fn normalise(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
                 .map(|(i, x)| normalise(x, each, yaml, &format!("{at}[{i}]")))
                 .collect::<Result<Vec<_>, _>>()
                 .map(Value::Array),
-            other => Err(format!("{at}: expected a list, found {}", describe(&other))),
+            other => Err(bad!(at, "expected a list, found {}", describe(&other))),
         }
     };
     match ty {
@@ -383,11 +400,11 @@ fn normalise(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
                 })
                 .collect::<Result<Map<_, _>, _>>()
                 .map(Value::Object),
-            other => Err(format!("{at}: expected a map, found {}", describe(&other))),
+            other => Err(bad!(at, "expected a map, found {}", describe(&other))),
         },
         Ty::One(o) => {
             let Value::Object(m) = v else {
-                return Err(format!("{at}: expected a map, found {}", describe(&v)));
+                return Err(bad!(at, "expected a map, found {}", describe(&v)));
             };
             let known = fields(o);
             let mut out = Map::new();
@@ -399,7 +416,7 @@ fn normalise(v: Value, ty: Ty, yaml: bool, at: &str) -> Result<Value, String> {
                     .or_else(|| known.iter().find(|(n, _)| n.eq_ignore_ascii_case(&k)))
                 else {
                     let place = if at.is_empty() { "spec" } else { at };
-                    return Err(format!("{place}: unknown field {k:?}"));
+                    return Err(bad!(place, "unknown field {k:?}"));
                 };
                 if x.is_null() {
                     continue;
@@ -453,21 +470,25 @@ fn name_ok(s: &str) -> bool {
 }
 
 /// Splits `vendor.com/class=name` into (kind, name).
-pub fn parse_qualified(name: &str) -> Result<(String, String), String> {
-    let (kind, dev) = name.split_once('=').ok_or_else(|| {
-        format!("CDI device {name:?} is not a fully qualified name (vendor.com/class=name)")
-    })?;
+pub fn parse_qualified(name: &str) -> Result<(String, String)> {
+    let refuse = |defect| Error::CdiName {
+        name: name.to_string(),
+        defect,
+    };
+    let (kind, dev) = name
+        .split_once('=')
+        .ok_or_else(|| refuse(CdiNameDefect::NotQualified))?;
     let (vendor, class) = kind
         .split_once('/')
-        .ok_or_else(|| format!("CDI device {name:?} has no vendor/class"))?;
+        .ok_or_else(|| refuse(CdiNameDefect::NoVendorClass))?;
     if !vendor_ok(vendor) {
-        return Err(format!("CDI device {name:?}: invalid vendor {vendor:?}"));
+        return Err(refuse(CdiNameDefect::Vendor(vendor.into())));
     }
     if !class_ok(class) {
-        return Err(format!("CDI device {name:?}: invalid class {class:?}"));
+        return Err(refuse(CdiNameDefect::Class(class.into())));
     }
     if !name_ok(dev) {
-        return Err(format!("CDI device {name:?}: invalid device name {dev:?}"));
+        return Err(refuse(CdiNameDefect::Device(dev.into())));
     }
     Ok((kind.to_string(), dev.to_string()))
 }
@@ -534,7 +555,7 @@ fn env_ok(v: &str) -> bool {
     v.find('=').is_some_and(|i| i > 0)
 }
 
-fn check_edits(e: &Edits, at: &str) -> Result<(), String> {
+fn check_edits(e: &Edits, at: &str) -> Result<(), Bad> {
     let at = |what: String| {
         if at.is_empty() {
             what
@@ -544,26 +565,28 @@ fn check_edits(e: &Edits, at: &str) -> Result<(), String> {
     };
     for (i, v) in e.env.iter().enumerate() {
         if !env_ok(v) {
-            return Err(format!(
-                "{}: {v:?} is not NAME=value",
-                at(format!("env[{i}]"))
-            ));
+            return Err(bad!(at(format!("env[{i}]")), "{v:?} is not NAME=value"));
         }
     }
     for (i, d) in e.device_nodes.iter().enumerate() {
         let here = at(format!("deviceNodes[{i}]"));
         if !d.path.starts_with('/') {
-            return Err(format!("{here}.path: {:?} is not an absolute path", d.path));
+            return Err(bad!(
+                format!("{here}.path"),
+                "{:?} is not an absolute path",
+                d.path
+            ));
         }
         if let Some(k) = d.kind.as_deref().filter(|k| !k.is_empty()) {
             if !matches!(k, "b" | "c" | "u" | "p") {
-                return Err(format!("{here}.type: {k:?} is not b, c, u or p"));
+                return Err(bad!(format!("{here}.type"), "{k:?} is not b, c, u or p"));
             }
         }
         if let Some(p) = &d.permissions {
             if !p.chars().all(|c| "rwm".contains(c)) {
-                return Err(format!(
-                    "{here}.permissions: {p:?} is not made of r, w and m"
+                return Err(bad!(
+                    format!("{here}.permissions"),
+                    "{p:?} is not made of r, w and m"
                 ));
             }
         }
@@ -571,11 +594,12 @@ fn check_edits(e: &Edits, at: &str) -> Result<(), String> {
     for (i, m) in e.mounts.iter().enumerate() {
         let here = at(format!("mounts[{i}]"));
         if m.host_path.is_empty() {
-            return Err(format!("{here}.hostPath: missing"));
+            return Err(bad!(format!("{here}.hostPath"), "missing"));
         }
         if !m.container_path.starts_with('/') {
-            return Err(format!(
-                "{here}.containerPath: {:?} is not an absolute path",
+            return Err(bad!(
+                format!("{here}.containerPath"),
+                "{:?} is not an absolute path",
                 m.container_path
             ));
         }
@@ -583,24 +607,29 @@ fn check_edits(e: &Edits, at: &str) -> Result<(), String> {
     for (i, h) in e.hooks.iter().enumerate() {
         let here = at(format!("hooks[{i}]"));
         if !HOOK_STAGES.contains(&h.hook_name.as_str()) {
-            return Err(format!(
-                "{here}.hookName: {:?} is not an OCI hook ({})",
+            return Err(bad!(
+                format!("{here}.hookName"),
+                "{:?} is not an OCI hook ({})",
                 h.hook_name,
                 HOOK_STAGES.join(", ")
             ));
         }
         if !h.path.starts_with('/') {
-            return Err(format!("{here}.path: {:?} is not an absolute path", h.path));
+            return Err(bad!(
+                format!("{here}.path"),
+                "{:?} is not an absolute path",
+                h.path
+            ));
         }
         if let Some((j, v)) = h.env.iter().enumerate().find(|(_, v)| !env_ok(v)) {
-            return Err(format!("{here}.env[{j}]: {v:?} is not NAME=value"));
+            return Err(bad!(format!("{here}.env[{j}]"), "{v:?} is not NAME=value"));
         }
     }
     if let Some(c) = e.intel_rdt.as_ref().and_then(|r| r.clos_id.as_deref()) {
         if c != "/" && (c.len() >= 4096 || c == "." || c == ".." || c.contains(['/', '\n'])) {
-            return Err(format!(
-                "{}: {c:?} is not a valid CLOS name",
-                at("intelRdt.closID".into())
+            return Err(bad!(
+                at("intelRdt.closID".into()),
+                "{c:?} is not a valid CLOS name"
             ));
         }
     }
@@ -608,13 +637,13 @@ fn check_edits(e: &Edits, at: &str) -> Result<(), String> {
     for (i, n) in e.net_devices.iter().enumerate() {
         let here = at(format!("netDevices[{i}]"));
         if n.host_interface_name.is_empty() {
-            return Err(format!("{here}.hostInterfaceName: missing"));
+            return Err(bad!(format!("{here}.hostInterfaceName"), "missing"));
         }
         if n.name.is_empty() {
-            return Err(format!("{here}.name: missing"));
+            return Err(bad!(format!("{here}.name"), "missing"));
         }
         if hosts.contains(&&n.host_interface_name) || names.contains(&&n.name) {
-            return Err(format!("{here}: interface given twice"));
+            return Err(bad!(here, "interface given twice"));
         }
         hosts.push(&n.host_interface_name);
         names.push(&n.name);
@@ -622,32 +651,45 @@ fn check_edits(e: &Edits, at: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Parses and validates one spec file's text. Errors name the field (`devices[0].name`).
-pub fn parse_spec(path: &Path, text: &str) -> Result<Spec, String> {
+/// Parses and validates one spec file's text: [`Error::CdiSpec`], naming the field
+/// (`devices[0].name`).
+pub fn parse_spec(path: &Path, text: &str) -> Result<Spec> {
+    parse(path, text).map_err(|b| Error::CdiSpec {
+        file: path.to_path_buf(),
+        at: b.at,
+        problem: b.problem,
+    })
+}
+
+fn parse(path: &Path, text: &str) -> Result<Spec, Bad> {
     let yaml = matches!(
         path.extension().and_then(|e| e.to_str()),
         Some("yaml" | "yml")
     );
     if text.trim().is_empty() {
-        return Err("the file is empty (no cdiVersion, kind or devices)".into());
+        return Err(bad!(
+            "",
+            "the file is empty (no cdiVersion, kind or devices)"
+        ));
     }
     // Go's sigs.k8s.io/yaml reads JSON files as YAML too; JSON is parsed strictly here so
     // that its errors keep JSON's line and column.
     let doc: Value = if yaml {
-        let y: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| e.to_string())?;
-        serde_json::to_value(y).map_err(|e| e.to_string())?
+        let y: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| bad!("", "{e}"))?;
+        serde_json::to_value(y).map_err(|e| bad!("", "{e}"))?
     } else {
-        serde_json::from_str(text).map_err(|e| e.to_string())?
+        serde_json::from_str(text).map_err(|e| bad!("", "{e}"))?
     };
     let doc = normalise(doc, Ty::One(Obj::Spec), yaml, "")?;
-    let spec: Spec = serde_json::from_value(doc).map_err(|e| e.to_string())?;
+    let spec: Spec = serde_json::from_value(doc).map_err(|e| bad!("", "{e}"))?;
 
     if spec.cdi_version.is_empty() {
-        return Err("cdiVersion: missing".into());
+        return Err(bad!("cdiVersion", "missing"));
     }
     let version = version_index(&spec.cdi_version).ok_or_else(|| {
-        format!(
-            "cdiVersion: {:?} is not a CDI version ({} to {})",
+        bad!(
+            "cdiVersion",
+            "{:?} is not a CDI version ({} to {})",
             spec.cdi_version,
             EARLIEST,
             VERSIONS[VERSIONS.len() - 1]
@@ -656,15 +698,17 @@ pub fn parse_spec(path: &Path, text: &str) -> Result<Spec, String> {
     let (vendor, class) = spec
         .kind
         .split_once('/')
-        .ok_or_else(|| format!("kind: {:?} is not vendor/class", spec.kind))?;
+        .ok_or_else(|| bad!("kind", "{:?} is not vendor/class", spec.kind))?;
     if !vendor_ok(vendor) {
-        return Err(format!(
-            "kind: invalid vendor {vendor:?} (a letter first, then letters, digits, '.', '-' or '_', ending in a letter or digit)"
+        return Err(bad!(
+            "kind",
+            "invalid vendor {vendor:?} (a letter first, then letters, digits, '.', '-' or '_', ending in a letter or digit)"
         ));
     }
     if !class_ok(class) {
-        return Err(format!(
-            "kind: invalid class {class:?} (a letter first, then letters, digits, '.', '-' or '_', ending in a letter or digit)"
+        return Err(bad!(
+            "kind",
+            "invalid class {class:?} (a letter first, then letters, digits, '.', '-' or '_', ending in a letter or digit)"
         ));
     }
 
@@ -699,9 +743,11 @@ pub fn parse_spec(path: &Path, text: &str) -> Result<Spec, String> {
     }
     if let Some((min, what)) = needs.into_iter().flatten().max_by_key(|(i, _)| *i) {
         if min > version {
-            return Err(format!(
-                "cdiVersion: {} is too old: {what} needs cdiVersion {} or later",
-                spec.cdi_version, VERSIONS[min]
+            return Err(bad!(
+                "cdiVersion",
+                "{} is too old: {what} needs cdiVersion {} or later",
+                spec.cdi_version,
+                VERSIONS[min]
             ));
         }
     }
@@ -710,44 +756,32 @@ pub fn parse_spec(path: &Path, text: &str) -> Result<Spec, String> {
     let mut seen = std::collections::HashSet::new();
     for (i, d) in spec.devices.iter().enumerate() {
         if !name_ok(&d.name) {
-            return Err(format!(
-                "devices[{i}].name: invalid device name {:?} (a letter or digit first and last, letters, digits, '-', '_', '.' or ':' between)",
+            return Err(bad!(
+                format!("devices[{i}].name"),
+                "invalid device name {:?} (a letter or digit first and last, letters, digits, '-', '_', '.' or ':' between)",
                 d.name
             ));
         }
         if !seen.insert(d.name.as_str()) {
-            return Err(format!(
-                "devices[{i}].name: device {:?} is defined twice",
+            return Err(bad!(
+                format!("devices[{i}].name"),
+                "device {:?} is defined twice",
                 d.name
             ));
         }
         if d.container_edits.is_empty() {
-            return Err(format!(
-                "devices[{i}].containerEdits: device {:?} has no edits",
+            return Err(bad!(
+                format!("devices[{i}].containerEdits"),
+                "device {:?} has no edits",
                 d.name
             ));
         }
         check_edits(&d.container_edits, &format!("devices[{i}].containerEdits"))?;
     }
     if spec.devices.is_empty() {
-        return Err("devices: the spec defines no devices".into());
+        return Err(bad!("devices", "the spec defines no devices"));
     }
     Ok(spec)
-}
-
-/// Why a device request failed; `NotFound` for unknown devices, `Invalid` for the rest.
-#[derive(Debug, Clone, PartialEq)]
-pub enum CdiError {
-    NotFound(String),
-    Invalid(String),
-}
-
-impl std::fmt::Display for CdiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            CdiError::NotFound(m) | CdiError::Invalid(m) => f.write_str(m),
-        }
-    }
 }
 
 #[derive(Clone, PartialEq)]
@@ -761,7 +795,7 @@ struct Loaded {
     key: FileKey,
     /// Index of the directory it came from: later directories win.
     dir: usize,
-    spec: Result<Spec, String>,
+    spec: Result<Spec>,
     /// The kind, when the file got that far (to name broken specs in errors).
     kind_hint: Option<String>,
 }
@@ -888,14 +922,14 @@ impl Registry {
         devices.dedup();
         let mut errors: Vec<_> = cache
             .iter()
-            .filter_map(|(p, l)| l.spec.as_ref().err().map(|e| (p.clone(), e.clone())))
+            .filter_map(|(p, l)| l.spec.as_ref().err().map(|e| (p.clone(), e.to_string())))
             .collect();
         errors.sort();
         (devices, errors)
     }
 
     /// Resolves fully qualified device names (duplicates dropped, order kept).
-    pub fn resolve(&self, names: &[String]) -> Result<Resolved, CdiError> {
+    pub fn resolve(&self, names: &[String]) -> Result<Resolved> {
         if names.is_empty() {
             return Ok(Resolved::default());
         }
@@ -909,7 +943,7 @@ impl Registry {
                 continue;
             }
             seen.push(name);
-            let (kind, dev) = parse_qualified(name).map_err(CdiError::Invalid)?;
+            let (kind, dev) = parse_qualified(name)?;
             // Candidates: (dir index, file, spec, device).
             let mut found: Vec<(usize, &PathBuf, &Spec, &DeviceSpec)> = cache
                 .iter()
@@ -932,21 +966,11 @@ impl Registry {
                     })
                     .collect();
                 broken.sort();
-                let mut msg = format!(
-                    "CDI device {name} not found in {}",
-                    self.dirs
-                        .iter()
-                        .map(|d| d.display().to_string())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                );
-                if !broken.is_empty() {
-                    msg.push_str(&format!(
-                        "; it may be in a broken spec: {}",
-                        broken.join("; ")
-                    ));
-                }
-                return Err(CdiError::NotFound(msg));
+                return Err(Error::CdiNotFound {
+                    device: name.clone(),
+                    dirs: self.dirs.clone(),
+                    broken,
+                });
             }
             let top = found.iter().map(|f| f.0).max().expect("not empty");
             let shadowed: Vec<String> = found
@@ -964,10 +988,10 @@ impl Registry {
                 let mut files: Vec<String> =
                     found.iter().map(|f| f.1.display().to_string()).collect();
                 files.sort();
-                return Err(CdiError::Invalid(format!(
-                    "CDI device {name} is ambiguous: defined in {}",
-                    files.join(" and ")
-                )));
+                return Err(Error::CdiAmbiguous {
+                    device: name.clone(),
+                    files,
+                });
             }
             let (_, path, spec, device) = found[0];
             if !spec_done.contains(path) {
@@ -985,33 +1009,27 @@ impl Registry {
     }
 }
 
-fn push_unique(list: &mut Value, item: Value, key: &str) {
-    let arr = list.as_array_mut().expect("array");
-    arr.retain(|x| x.get(key) != item.get(key));
-    arr.push(item);
-}
-
-/// Applies resolved edits to an OCI spec (JSON as `spec::generate_json` makes it). Errors name
-/// the spec file.
+/// Applies resolved edits to a container's OCI spec (as `spec::generate` makes it): errors
+/// are [`Error::CdiEdit`], naming the spec file and device.
 ///
 /// Hooks that run in the runtime's namespaces (all but startContainer, which runs inside the
 /// container after pivot_root, where no hako binary is) are run through `hako cdi-hook`
 /// (this executable), which records a failure with the hook, device and spec; every CDI hook
 /// is also listed in the [`HOOKS_ANNOTATION`] annotation.
-pub fn apply(spec: &mut Value, resolved: &Resolved) -> Result<(), String> {
+pub fn apply(spec: &mut oci::Spec, resolved: &Resolved) -> Result<()> {
     let wrapper = std::env::current_exe().ok();
     let mut origins = Vec::new();
     for (i, (file, e)) in resolved.edits.iter().enumerate() {
         let device = resolved.devices.get(i).map(String::as_str).unwrap_or("?");
-        apply_one(spec, e, file, device, wrapper.as_deref(), &mut origins)
-            .map_err(|m| format!("CDI spec {}: {m}", file.display()))?;
+        apply_one(spec, e, file, device, wrapper.as_deref(), &mut origins)?;
     }
     if !origins.is_empty() {
-        if !spec["annotations"].is_object() {
-            spec["annotations"] = json!({});
-        }
-        spec["annotations"][HOOKS_ANNOTATION] =
-            json!(serde_json::to_string(&origins).expect("serialisable"));
+        spec.annotations_mut()
+            .get_or_insert_with(Default::default)
+            .insert(
+                HOOKS_ANNOTATION.into(),
+                serde_json::to_string(&origins).expect("serialisable"),
+            );
     }
     Ok(())
 }
@@ -1077,48 +1095,65 @@ const MOUNT_FLAGS: &[&str] = &[
     "tmpcopyup",
 ];
 
+/// An OCI object with every field absent: oci-spec's `Default` for `Linux` and `Process` is
+/// runc's example config, nothing to add to a container that lacks the object.
+fn blank<T: serde::de::DeserializeOwned>() -> T {
+    serde_json::from_str("{}").expect("an object whose fields are all optional")
+}
+
 fn apply_one(
-    spec: &mut Value,
+    spec: &mut oci::Spec,
     e: &Edits,
     file: &Path,
     device: &str,
     wrapper: Option<&Path>,
     origins: &mut Vec<HookOrigin>,
-) -> Result<(), String> {
+) -> Result<()> {
+    let refuse = |problem: String| Error::CdiEdit {
+        file: file.to_path_buf(),
+        device: device.to_string(),
+        problem,
+    };
     if !e.net_devices.is_empty() {
-        return Err("netDevices edits are not supported by hako's executor".into());
+        return Err(refuse(
+            "netDevices edits are not supported by hako's executor".into(),
+        ));
     }
     if !e.env.is_empty() {
-        let env = spec["process"]["env"]
-            .as_array_mut()
-            .ok_or("OCI spec has no process.env")?;
+        let env = spec
+            .process_mut()
+            .as_mut()
+            .and_then(|p| p.env_mut().as_mut())
+            .ok_or_else(|| refuse("OCI spec has no process.env".into()))?;
         for kv in &e.env {
             let key = kv.split('=').next().unwrap_or_default();
-            env.retain(|x| x.as_str().and_then(|s| s.split('=').next()) != Some(key));
-            env.push(json!(kv));
+            env.retain(|x| x.split('=').next() != Some(key));
+            env.push(kv.clone());
         }
     }
     for d in &e.device_nodes {
         let access = d.permissions.clone().unwrap_or_else(|| "rwm".into());
-        // Type and numbers as the spec gives them, else read from the host node.
-        let dev = match (&d.kind, d.major, d.minor) {
+        // Type and numbers as the spec gives them, else read from the host node; an empty
+        // type is no type, as upstream reads it.
+        let kind = d.kind.as_deref().filter(|k| !k.is_empty());
+        let dev = match (kind, d.major, d.minor) {
             (Some(k), Some(major), Some(minor)) => Device {
-                kind: k.clone(),
+                kind: k.to_string(),
                 major,
                 minor,
                 ..Default::default()
             },
-            (Some(k), _, _) if k == "p" => Device {
+            (Some("p"), _, _) => Device {
                 kind: "p".into(),
                 ..Default::default()
             },
             _ => {
                 let host = d.host_path.as_deref().unwrap_or(&d.path);
                 let found = crate::devices::host_node(Path::new(host), &d.path, &access)
-                    .map_err(|e| format!("device node {host}: {e}"))?
-                    .ok_or_else(|| format!("{host} is not a device node"))?;
+                    .map_err(|e| refuse(format!("device node {host}: {e}")))?
+                    .ok_or_else(|| refuse(format!("{host} is not a device node")))?;
                 Device {
-                    kind: d.kind.clone().unwrap_or(found.kind),
+                    kind: kind.map(str::to_string).unwrap_or(found.kind),
                     major: d.major.unwrap_or(found.major),
                     minor: d.minor.unwrap_or(found.minor),
                     file_mode: found.file_mode,
@@ -1134,13 +1169,16 @@ fn apply_one(
             access,
             ..dev
         };
-        if spec["linux"].get("devices").is_none() {
-            spec["linux"]["devices"] = json!([]);
-        }
-        push_unique(&mut spec["linux"]["devices"], device_node(&dev), "path");
+        let linux = spec.linux_mut().get_or_insert_with(blank);
+        let nodes = linux.devices_mut().get_or_insert_with(Vec::new);
+        nodes.retain(|n| n.path() != Path::new(&dev.path));
+        nodes.push(device_node(&dev));
         // Privileged containers have no rules (everything allowed): nothing to add.
         if let (Some(rules), Some(rule)) = (
-            spec["linux"]["resources"]["devices"].as_array_mut(),
+            linux
+                .resources_mut()
+                .as_mut()
+                .and_then(|r| r.devices_mut().as_mut()),
             device_rule(&dev),
         ) {
             rules.push(rule);
@@ -1164,11 +1202,17 @@ fn apply_one(
         if kind == "bind" && !options.iter().any(|o| o == "bind" || o == "rbind") {
             options.push("rbind".into());
         }
-        push_unique(
-            spec.get_mut("mounts").ok_or("OCI spec has no mounts")?,
-            json!({"destination": m.container_path, "source": m.host_path, "type": kind, "options": options}),
-            "destination",
-        );
+        let mounts = spec
+            .mounts_mut()
+            .as_mut()
+            .ok_or_else(|| refuse("OCI spec has no mounts".into()))?;
+        mounts.retain(|x| x.destination() != Path::new(&m.container_path));
+        let mut mount = oci::Mount::default();
+        mount.set_destination(PathBuf::from(&m.container_path));
+        mount.set_source(Some(PathBuf::from(&m.host_path)));
+        mount.set_typ(Some(kind));
+        mount.set_options(Some(options));
+        mounts.push(mount);
     }
     for h in &e.hooks {
         origins.push(HookOrigin {
@@ -1177,10 +1221,9 @@ fn apply_one(
             device: device.to_string(),
             spec: file.display().to_string(),
         });
-        let mut hook = json!({"path": h.path});
-        if !h.args.is_empty() {
-            hook["args"] = json!(h.args);
-        }
+        let mut hook = oci::Hook::default();
+        hook.set_path(PathBuf::from(&h.path));
+        hook.set_args((!h.args.is_empty()).then(|| h.args.clone()));
         if let Some(exe) = wrapper.filter(|_| h.hook_name != "startContainer") {
             let mut args = vec![
                 "hako".to_string(),
@@ -1194,59 +1237,53 @@ fn apply_one(
                 args.push(h.path.clone());
             }
             args.extend(h.args.iter().cloned());
-            hook = json!({"path": exe, "args": args});
+            hook.set_path(exe.to_path_buf());
+            hook.set_args(Some(args));
         }
-        if !h.env.is_empty() {
-            hook["env"] = json!(h.env);
-        }
-        if let Some(t) = h.timeout {
-            hook["timeout"] = json!(t);
-        }
-        if spec.get("hooks").is_none() {
-            spec["hooks"] = json!({});
-        }
-        if spec["hooks"].get(&h.hook_name).is_none() {
-            spec["hooks"][&h.hook_name] = json!([]);
-        }
-        spec["hooks"][&h.hook_name]
-            .as_array_mut()
-            .expect("array")
-            .push(hook);
+        hook.set_env((!h.env.is_empty()).then(|| h.env.clone()));
+        hook.set_timeout(h.timeout);
+        let hooks = spec.hooks_mut().get_or_insert_with(Default::default);
+        let stage = match h.hook_name.as_str() {
+            "prestart" => hooks.prestart_mut(),
+            "createRuntime" => hooks.create_runtime_mut(),
+            "createContainer" => hooks.create_container_mut(),
+            "startContainer" => hooks.start_container_mut(),
+            "poststart" => hooks.poststart_mut(),
+            "poststop" => hooks.poststop_mut(),
+            // parse_spec refuses any other name.
+            other => return Err(refuse(format!("{other:?} is not an OCI hook"))),
+        };
+        stage.get_or_insert_with(Vec::new).push(hook);
     }
     for g in &e.additional_gids {
         if *g == 0 {
             continue;
         }
-        let gids = &mut spec["process"]["user"]["additionalGids"];
-        if !gids.is_array() {
-            *gids = json!([]);
-        }
-        let arr = gids.as_array_mut().expect("array");
-        if !arr.iter().any(|x| x.as_u64() == Some(*g as u64)) {
-            arr.push(json!(g));
+        let user = spec
+            .process_mut()
+            .as_mut()
+            .ok_or_else(|| refuse("OCI spec has no process".into()))?
+            .user_mut();
+        let gids = user.additional_gids_mut().get_or_insert_with(Vec::new);
+        if !gids.contains(g) {
+            gids.push(*g);
         }
     }
     if let Some(rdt) = &e.intel_rdt {
         if !Path::new("/sys/fs/resctrl/schemata").exists() {
-            return Err("intelRdt edits need resctrl mounted at /sys/fs/resctrl".into());
+            return Err(refuse(
+                "intelRdt edits need resctrl mounted at /sys/fs/resctrl".into(),
+            ));
         }
-        let mut v = json!({});
-        if let Some(x) = &rdt.clos_id {
-            v["closID"] = json!(x);
-        }
-        if let Some(x) = &rdt.l3_cache_schema {
-            v["l3CacheSchema"] = json!(x);
-        }
-        if let Some(x) = &rdt.mem_bw_schema {
-            v["memBwSchema"] = json!(x);
-        }
-        if let Some(x) = &rdt.schemata {
-            v["schemata"] = json!(x);
-        }
-        if let Some(x) = rdt.enable_monitoring {
-            v["enableMonitoring"] = json!(x);
-        }
-        spec["linux"]["intelRdt"] = v;
+        let mut v = oci::LinuxIntelRdt::default();
+        v.set_clos_id(rdt.clos_id.clone());
+        v.set_l3_cache_schema(rdt.l3_cache_schema.clone());
+        v.set_mem_bw_schema(rdt.mem_bw_schema.clone());
+        v.set_schemata(rdt.schemata.clone());
+        v.set_enable_monitoring(rdt.enable_monitoring);
+        spec.linux_mut()
+            .get_or_insert_with(blank)
+            .set_intel_rdt(Some(v));
     }
     Ok(())
 }
@@ -1524,24 +1561,30 @@ const MAX_SPEC_BYTES: u64 = 4 << 20;
 
 /// A spec file's text: a regular file of at most [`MAX_SPEC_BYTES`], opened non-blocking so a
 /// file that never ends or blocks (a FIFO, a /proc file linked in) cannot hang the daemon.
-fn read_spec_file(p: &Path) -> Result<String, String> {
+fn read_spec_file(p: &Path) -> Result<String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
+    // The message alone, as for a parse error: the registry lists it beside the file.
+    let refuse = |problem: String| Error::CdiSpec {
+        file: p.to_path_buf(),
+        at: String::new(),
+        problem,
+    };
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(p)
-        .map_err(|e| e.to_string())?;
-    let md = f.metadata().map_err(|e| e.to_string())?;
+        .map_err(|e| refuse(e.to_string()))?;
+    let md = f.metadata().map_err(|e| refuse(e.to_string()))?;
     if !md.is_file() {
-        return Err("not a regular file".into());
+        return Err(refuse("not a regular file".into()));
     }
     let mut text = String::new();
     f.take(MAX_SPEC_BYTES + 1)
         .read_to_string(&mut text)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| refuse(e.to_string()))?;
     if text.len() as u64 > MAX_SPEC_BYTES {
-        return Err(format!("larger than {MAX_SPEC_BYTES} bytes"));
+        return Err(refuse(format!("larger than {MAX_SPEC_BYTES} bytes")));
     }
     Ok(text)
 }
@@ -1606,10 +1649,15 @@ mod tests {
         );
         assert!(parse_qualified("dev0")
             .unwrap_err()
+            .to_string()
             .contains("fully qualified"));
-        assert!(parse_qualified("v/c@x=d").unwrap_err().contains("class"));
+        assert!(parse_qualified("v/c@x=d")
+            .unwrap_err()
+            .to_string()
+            .contains("class"));
         assert!(parse_qualified("v/c=-d")
             .unwrap_err()
+            .to_string()
             .contains("device name"));
     }
 
@@ -1617,7 +1665,7 @@ mod tests {
     fn specs_are_validated_with_the_cause() {
         let p = Path::new("/x/a.json");
         let bad = |text: &str, want: &str| {
-            let e = parse_spec(p, text).unwrap_err();
+            let e = parse_spec(p, text).unwrap_err().to_string();
             assert!(e.contains(want), "{e:?} should mention {want:?}");
         };
         bad(
@@ -1697,8 +1745,12 @@ mod tests {
             r#"{"cdiVersion":"0.3.0","kind":"example.com/gpu","devices":[{"name":"gpu1","containerEdits":{"env":["X=1"]}}]}"#,
         );
         let e = reg.resolve(&["example.com/gpu=gpu1".into()]).unwrap_err();
+        let m = e.to_string();
         assert!(
-            matches!(&e, CdiError::Invalid(m) if m.contains("ambiguous") && m.contains("gpu2.json") && m.contains("gpu.yaml")),
+            matches!(&e, Error::CdiAmbiguous { .. })
+                && m.contains("ambiguous")
+                && m.contains("gpu2.json")
+                && m.contains("gpu.yaml"),
             "{e:?}"
         );
 
@@ -1710,7 +1762,7 @@ mod tests {
         );
         let e = reg.resolve(&["broken.com/x=a".into()]).unwrap_err();
         assert!(
-            matches!(&e, CdiError::NotFound(m) if m.contains("broken.json")),
+            matches!(&e, Error::CdiNotFound { .. }) && e.to_string().contains("broken.json"),
             "{e:?}"
         );
         assert!(reg.resolve(&["example.com/gpu=gpu0".into()]).is_ok());
@@ -1724,7 +1776,7 @@ mod tests {
         std::fs::remove_file(etc.path().join("gpu.json")).unwrap();
         assert!(matches!(
             reg.resolve(&["example.com/gpu=gpu0".into()]),
-            Err(CdiError::NotFound(_))
+            Err(Error::CdiNotFound { .. })
         ));
     }
 
@@ -1745,11 +1797,9 @@ mod tests {
             ("v/c=d-", "device name"),
             ("v/c=d/e", "device name"),
         ] {
-            let e = parse_qualified(bad).unwrap_err();
+            let e = parse_qualified(bad).unwrap_err().to_string();
             assert!(e.contains(part), "{bad}: {e}");
         }
-        assert_eq!(CdiError::NotFound("gone".into()).to_string(), "gone");
-        assert_eq!(CdiError::Invalid("bad".into()).to_string(), "bad");
     }
 
     fn one_device(version: &str, edits: &str) -> String {
@@ -1790,11 +1840,15 @@ mod tests {
                 parse_spec(p, &one_device(min, edits)).is_ok(),
                 "{edits} at {min}"
             );
-            let e = parse_spec(p, &one_device(before, edits)).unwrap_err();
+            let e = parse_spec(p, &one_device(before, edits))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(&format!("needs cdiVersion {min}")), "{e}");
         }
         // Only the versions upstream lists: no 1.0.x patch releases; a leading v is read.
-        let e = parse_spec(p, &one_device("1.0.1", r#"{"env":["A=1"]}"#)).unwrap_err();
+        let e = parse_spec(p, &one_device("1.0.1", r#"{"env":["A=1"]}"#))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("cdiVersion: \"1.0.1\" is not a CDI version"),
             "{e}"
@@ -1808,7 +1862,7 @@ mod tests {
                     r#"{{"cdiVersion":"{version}","kind":"a.com/b",{spec_level}"devices":[{{"name":"d",{device_level}"containerEdits":{{"env":["A=1"]}}}}]}}"#
                 )
             };
-            let e = parse_spec(p, &text("0.5.0")).unwrap_err();
+            let e = parse_spec(p, &text("0.5.0")).unwrap_err().to_string();
             assert!(e.contains("annotations needs cdiVersion 0.6.0"), "{e}");
             assert!(parse_spec(p, &text("0.6.0")).is_ok(), "{}", text("0.6.0"));
             assert!(parse_spec(p, &text("1.0.0")).is_ok(), "{}", text("1.0.0"));
@@ -1819,7 +1873,7 @@ mod tests {
     fn mounts_hooks_and_kinds_are_checked() {
         let p = Path::new("/x/a.json");
         let bad = |text: &str, want: &str| {
-            let e = parse_spec(p, text).unwrap_err();
+            let e = parse_spec(p, text).unwrap_err().to_string();
             assert!(e.contains(want), "{e:?} should mention {want:?}");
         };
         bad(
@@ -1880,7 +1934,7 @@ mod tests {
         write(d.path(), "nokind.json", "garbage");
         let reg = Registry::new(vec![d.path().into()]);
         let not_found = |name: &str| match reg.resolve(&[name.into()]) {
-            Err(CdiError::NotFound(m)) => m,
+            Err(e @ Error::CdiNotFound { .. }) => e.to_string(),
             other => panic!("{name}: {other:?}"),
         };
         let m = not_found("broken.com/x=a");
@@ -1943,6 +1997,15 @@ mod tests {
         assert_eq!(env(), ["V=2"]);
     }
 
+    /// The device cgroup rules of `spec`.
+    fn rules_of(spec: &oci::Spec) -> &[oci::LinuxDeviceCgroup] {
+        spec.linux()
+            .as_ref()
+            .and_then(|l| l.resources().as_ref())
+            .and_then(|r| r.devices().as_deref())
+            .unwrap_or_default()
+    }
+
     #[test]
     fn device_nodes_take_numbers_and_modes_from_the_spec_or_the_host() {
         use nix::sys::stat::{makedev, mknod, Mode, SFlag};
@@ -1955,11 +2018,8 @@ mod tests {
             makedev(1, 3),
         )
         .unwrap();
-        let mut spec = json!({
-            "process": {"env": []},
-            "mounts": [],
-            "linux": {"resources": {"devices": []}}
-        });
+        let mut spec = crate::spec::generate(&Default::default());
+        let default_rules = rules_of(&spec).len();
         let edits = Edits {
             device_nodes: vec![
                 // Everything given: the host is not looked at (it has no such node).
@@ -1997,8 +2057,9 @@ mod tests {
             },
         )
         .unwrap();
+        let linux = spec.linux().as_ref().unwrap();
         assert_eq!(
-            spec["linux"]["devices"],
+            serde_json::to_value(linux.devices()).unwrap(),
             json!([
                 {"path": "/dev/absent-gpu", "type": "c", "major": 195, "minor": 7, "fileMode": 0o640, "uid": 1000, "gid": 44},
                 {"path": "/dev/absent-fifo", "type": "p", "major": 0, "minor": 0, "fileMode": 0o666},
@@ -2006,7 +2067,7 @@ mod tests {
             ])
         );
         assert_eq!(
-            spec["linux"]["resources"]["devices"],
+            serde_json::to_value(&rules_of(&spec)[default_rules..]).unwrap(),
             json!([
                 {"allow": true, "type": "c", "major": 195, "minor": 7, "access": "rwm"},
                 {"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rwm"},
@@ -2016,11 +2077,12 @@ mod tests {
 
     #[test]
     fn mounts_and_hooks_are_written_as_given() {
-        let mut spec = json!({
-            "process": {"env": []},
-            "mounts": [{"destination": "/b", "type": "bind", "source": "/old"}],
-            "linux": {}
-        });
+        let mut spec = crate::spec::generate(&Default::default());
+        let mut old = oci::Mount::default();
+        old.set_destination("/b".into());
+        old.set_typ(Some("bind".into()));
+        old.set_source(Some("/old".into()));
+        spec.set_mounts(Some(vec![old]));
         let mount = |c: &str, kind: Option<&str>, options: &[&str]| MountEdit {
             host_path: "/h".into(),
             container_path: c.into(),
@@ -2061,7 +2123,7 @@ mod tests {
         // A bind mount gets rbind unless it names bind itself; another type is left alone; a
         // destination already mounted is replaced.
         assert_eq!(
-            spec["mounts"],
+            serde_json::to_value(spec.mounts()).unwrap(),
             json!([
                 {"destination": "/a", "source": "/h", "type": "tmpfs", "options": ["nosuid"]},
                 {"destination": "/b", "source": "/h", "type": "bind", "options": ["bind", "ro"]},
@@ -2080,7 +2142,7 @@ mod tests {
         poststop["env"] = json!(["K=v"]);
         poststop["timeout"] = json!(5);
         assert_eq!(
-            spec["hooks"],
+            serde_json::to_value(spec.hooks()).unwrap(),
             json!({
                 "createRuntime": [wrapped("createRuntime", &["/bin/a", "/bin/a"]), wrapped("createRuntime", &["/bin/c", "/bin/c"])],
                 "poststop": [poststop],
@@ -2088,7 +2150,7 @@ mod tests {
         );
         // Where each came from, for the monitor.
         let origins: Vec<HookOrigin> =
-            serde_json::from_str(spec["annotations"][HOOKS_ANNOTATION].as_str().unwrap()).unwrap();
+            serde_json::from_str(&spec.annotations().as_ref().unwrap()[HOOKS_ANNOTATION]).unwrap();
         assert_eq!(origins.len(), 3);
         assert_eq!(
             origins[1],
@@ -2103,10 +2165,9 @@ mod tests {
 
     #[test]
     fn edits_reach_the_oci_spec() {
-        let mut spec = json!({
-            "process": {"env": ["A=1", "PATH=/bin"], "user": {"uid": 0, "gid": 0}},
-            "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
-            "linux": {"resources": {"devices": [{"allow": false, "access": "rwm"}]}}
+        let mut spec = crate::spec::generate(&crate::spec::ContainerSpec {
+            env: vec!["A=1".into(), "PATH=/bin".into()],
+            ..Default::default()
         });
         let edits = Edits {
             env: vec!["A=2".into()],
@@ -2139,29 +2200,41 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(spec["process"]["env"], json!(["PATH=/bin", "A=2"]));
-        let dev = &spec["linux"]["devices"][0];
+        let process = spec.process().as_ref().unwrap();
         assert_eq!(
-            (
-                dev["path"].as_str(),
-                dev["major"].as_i64(),
-                dev["minor"].as_i64()
-            ),
-            (Some("/dev/fake"), Some(1), Some(3))
+            process.env().as_deref(),
+            Some(&["PATH=/bin", "A=2"].map(String::from)[..])
         );
-        let rule = spec["linux"]["resources"]["devices"]
-            .as_array()
-            .unwrap()
-            .last()
-            .unwrap()
-            .clone();
+        let dev = &spec.linux().as_ref().unwrap().devices().as_ref().unwrap()[0];
         assert_eq!(
-            rule,
-            json!({"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rw"})
+            (dev.path(), dev.typ(), dev.major(), dev.minor()),
+            (&PathBuf::from("/dev/fake"), oci::LinuxDeviceType::C, 1, 3)
         );
-        assert_eq!(spec["mounts"][1]["options"], json!(["ro", "rbind"]));
-        assert_eq!(spec["hooks"]["createRuntime"][0]["args"][5], "/bin/true");
-        assert_eq!(spec["process"]["user"]["additionalGids"], json!([44]));
+        let rule = rules_of(&spec).last().unwrap().clone();
+        assert_eq!(
+            (rule.allow(), rule.typ(), rule.major(), rule.minor()),
+            (true, Some(oci::LinuxDeviceType::C), Some(1), Some(3))
+        );
+        assert_eq!(rule.access().as_deref(), Some("rw"));
+        let vendor = spec
+            .mounts()
+            .iter()
+            .flatten()
+            .find(|m| m.destination() == Path::new("/usr/lib/vendor"))
+            .unwrap();
+        assert_eq!(
+            vendor.options().as_deref(),
+            Some(&["ro", "rbind"].map(String::from)[..])
+        );
+        let hooks = spec.hooks().as_ref().unwrap();
+        assert_eq!(
+            hooks.create_runtime().as_ref().unwrap()[0]
+                .args()
+                .as_ref()
+                .unwrap()[5],
+            "/bin/true"
+        );
+        assert_eq!(process.user().additional_gids().as_deref(), Some(&[44][..]));
 
         let e = apply(
             &mut spec,
@@ -2180,7 +2253,9 @@ mod tests {
                 ..Default::default()
             },
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
+        let e = e.to_string();
         assert!(
             e.contains("/etc/cdi/y.json") && e.contains("/nonexistent"),
             "{e}"
@@ -2212,7 +2287,8 @@ mod tests {
             p,
             &one_device("0.7.0", r#"{"intelRdt":{"enableCMT":true}}"#),
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert_eq!(
             e,
             r#"devices[0].containerEdits.intelRdt: unknown field "enableCMT""#
@@ -2221,7 +2297,8 @@ mod tests {
             p,
             &one_device("0.7.0", r#"{"deviceNodes":[{"path":"/dev/x","mode":1}]}"#),
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert_eq!(
             e,
             r#"devices[0].containerEdits.deviceNodes[0]: unknown field "mode""#
@@ -2230,10 +2307,13 @@ mod tests {
             p,
             r#"{"cdiVersion":"0.3.0","kind":"a.com/bb","devices":[],"x":1}"#,
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert_eq!(e, r#"spec: unknown field "x""#);
         // Types are checked with the field named; null is absent, as in Go.
-        let e = parse_spec(p, &one_device("0.7.0", r#"{"additionalGids":[-1]}"#)).unwrap_err();
+        let e = parse_spec(p, &one_device("0.7.0", r#"{"additionalGids":[-1]}"#))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("devices[0].containerEdits.additionalGids[0]: -1 is out of range"),
             "{e}"
@@ -2245,7 +2325,8 @@ mod tests {
                 r#"{"deviceNodes":[{"path":"/dev/x","fileMode":"0640"}]}"#,
             ),
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert_eq!(
             e,
             r#"devices[0].containerEdits.deviceNodes[0].fileMode: expected an integer, found string "0640""#
@@ -2266,27 +2347,35 @@ mod tests {
         }
         // Known to upstream, but every spec needs 0.3.0 there.
         for v in ["0.1.0", "0.2.0"] {
-            let e = parse_spec(p, &yaml(v, "a.com/bb", "d")).unwrap_err();
+            let e = parse_spec(p, &yaml(v, "a.com/bb", "d"))
+                .unwrap_err()
+                .to_string();
             assert_eq!(
                 e,
                 format!("cdiVersion: {v} is too old: every spec needs cdiVersion 0.3.0 or later")
             );
         }
         for v in ["0.9.0", "1.2.0", "2", "1.0.1"] {
-            let e = parse_spec(p, &yaml(v, "a.com/bb", "d")).unwrap_err();
+            let e = parse_spec(p, &yaml(v, "a.com/bb", "d"))
+                .unwrap_err()
+                .to_string();
             assert!(
                 e.contains("is not a CDI version (0.3.0 to 1.1.0)"),
                 "{v}: {e}"
             );
         }
         // A '.' in the class needs 0.6.0; a device name starting with a digit needs 0.5.0.
-        let e = parse_spec(p, &yaml("0.5.0", "a.com/b.c", "d")).unwrap_err();
+        let e = parse_spec(p, &yaml("0.5.0", "a.com/b.c", "d"))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("kind (a '.' in the class) needs cdiVersion 0.6.0"),
             "{e}"
         );
         assert!(parse_spec(p, &yaml("0.6.0", "a.com/b.c", "d")).is_ok());
-        let e = parse_spec(p, &yaml("0.4.0", "a.com/bb", "0")).unwrap_err();
+        let e = parse_spec(p, &yaml("0.4.0", "a.com/bb", "0"))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("devices[0].name (a digit first) needs cdiVersion 0.5.0"),
             "{e}"
@@ -2300,7 +2389,8 @@ mod tests {
                 r#"{"additionalGids":[1],"netDevices":[{"hostInterfaceName":"a","name":"b"}]}"#,
             ),
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert_eq!(e, "cdiVersion: 0.6.0 is too old: devices[0].containerEdits.netDevices needs cdiVersion 1.1.0 or later");
     }
 
@@ -2325,12 +2415,12 @@ mod tests {
             (n.uid, n.gid, n.major, n.minor),
             (Some(1000), Some(5), Some(16), Some(0))
         );
-        let e = node("fileMode: rw").unwrap_err();
+        let e = node("fileMode: rw").unwrap_err().to_string();
         assert_eq!(
             e,
             r#"devices[0].containerEdits.deviceNodes[0].fileMode: expected an integer, found string "rw""#
         );
-        let e = node("fileMode: 0o8").unwrap_err();
+        let e = node("fileMode: 0o8").unwrap_err().to_string();
         assert!(e.contains("fileMode: expected an integer"), "{e}");
         // Numbers and booleans where text is wanted become text, as Go's reader makes them.
         let s = parse_spec(
@@ -2352,11 +2442,13 @@ mod tests {
         .is_err());
         // An empty file says so.
         assert_eq!(
-            parse_spec(p, "\n").unwrap_err(),
+            parse_spec(p, "\n").unwrap_err().to_string(),
             "the file is empty (no cdiVersion, kind or devices)"
         );
         assert_eq!(
-            parse_spec(Path::new("/x/a.json"), "{}").unwrap_err(),
+            parse_spec(Path::new("/x/a.json"), "{}")
+                .unwrap_err()
+                .to_string(),
             "cdiVersion: missing"
         );
     }

@@ -20,6 +20,10 @@
 //! namespaces through; an ERRNO one refuses every fork and thread). Profiles here are written
 //! the usual way and [`for_libcontainer`] swaps the two where the spec is generated.
 
+use oci_spec::runtime::{
+    Arch, LinuxSeccomp, LinuxSeccompAction as Action, LinuxSeccompArg, LinuxSeccompArgBuilder,
+    LinuxSeccompBuilder, LinuxSeccompOperator as Op, LinuxSyscallBuilder,
+};
 use serde_json::{json, Value};
 
 use crate::error::{Error, ProfileDefect, Result};
@@ -535,7 +539,7 @@ const ENOSYS: u32 = libc::ENOSYS as u32;
 /// hako's RuntimeDefault profile for a container holding `caps`, for this machine: its
 /// architectures, and only the syscall names the linked libseccomp can resolve (libcontainer
 /// skips the others with a warning on every container start and exec; refused either way).
-pub fn runtime_default(caps: &[String]) -> Value {
+pub fn runtime_default(caps: &[String]) -> LinuxSeccomp {
     profile(caps, std::env::consts::ARCH, |name| {
         libseccomp::ScmpSyscall::from_name(name).is_ok()
     })
@@ -544,16 +548,16 @@ pub fn runtime_default(caps: &[String]) -> Value {
 /// The RuntimeDefault profile for `caps` on `arch` (as `std::env::consts::ARCH` names it),
 /// keeping the syscall names `known` accepts. Written the usual (runc) way; see
 /// [`for_libcontainer`].
-pub fn profile(caps: &[String], arch: &str, known: impl Fn(&str) -> bool) -> Value {
+pub fn profile(caps: &[String], arch: &str, known: impl Fn(&str) -> bool) -> LinuxSeccomp {
     let holds = |cap: &str| caps.iter().any(|c| c == cap);
-    let (architectures, arch_names): (&[&str], &[&str]) = match arch {
+    let (architectures, arch_names): (&[Arch], &[&str]) = match arch {
         "x86_64" => (
-            &["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+            &[Arch::ScmpArchX86_64, Arch::ScmpArchX86, Arch::ScmpArchX32],
             ALLOWED_X86,
         ),
-        "x86" => (&["SCMP_ARCH_X86"], ALLOWED_X86),
-        "aarch64" => (&["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"], ALLOWED_ARM),
-        "arm" => (&["SCMP_ARCH_ARM"], ALLOWED_ARM),
+        "x86" => (&[Arch::ScmpArchX86], ALLOWED_X86),
+        "aarch64" => (&[Arch::ScmpArchAarch64, Arch::ScmpArchArm], ALLOWED_ARM),
+        "arm" => (&[Arch::ScmpArchArm], ALLOWED_ARM),
         // Elsewhere the filter covers the native architecture only.
         _ => (&[], &[]),
     };
@@ -568,33 +572,52 @@ pub fn profile(caps: &[String], arch: &str, known: impl Fn(&str) -> bool) -> Val
     allowed.sort_unstable();
     allowed.dedup();
 
-    let allow_if = |name: &str, op: &str, value: u64| {
-        json!({"names": [name], "action": "SCMP_ACT_ALLOW",
-            "args": [{"index": 0, "value": value, "op": op}]})
+    let rule = |names: Vec<String>, action: Action| {
+        LinuxSyscallBuilder::default().names(names).action(action)
     };
-    let mut syscalls = vec![json!({"names": allowed, "action": "SCMP_ACT_ALLOW"})];
+    let arg0 = |op: Op, value: u64, value_two: Option<u64>| vec![arg(0, op, value, value_two)];
+    let allow_if = |name: &str, op: Op, value: u64| {
+        rule(vec![name.into()], Action::ScmpActAllow)
+            .args(arg0(op, value, None))
+            .build()
+            .expect("a complete rule")
+    };
+    let allowed = allowed.into_iter().map(String::from).collect();
+    let mut syscalls = vec![rule(allowed, Action::ScmpActAllow)
+        .build()
+        .expect("a complete rule")];
     // Rules on the same syscall are alternatives: any one that matches allows the call.
-    syscalls.push(allow_if("socket", "SCMP_CMP_LT", AF_ALG));
+    syscalls.push(allow_if("socket", Op::ScmpCmpLt, AF_ALG));
     for family in AF_ALG + 1..AF_VSOCK {
-        syscalls.push(allow_if("socket", "SCMP_CMP_EQ", family));
+        syscalls.push(allow_if("socket", Op::ScmpCmpEq, family));
     }
-    syscalls.push(allow_if("socket", "SCMP_CMP_GT", AF_VSOCK));
+    syscalls.push(allow_if("socket", Op::ScmpCmpGt, AF_VSOCK));
     for &p in PERSONALITIES {
-        syscalls.push(allow_if("personality", "SCMP_CMP_EQ", p));
+        syscalls.push(allow_if("personality", Op::ScmpCmpEq, p));
     }
     if !holds("CAP_SYS_ADMIN") {
         // (flags & CLONE_NAMESPACE_FLAGS) == 0: fork and threads, no namespaces.
-        syscalls.push(json!({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
-            "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]}));
-        syscalls.push(json!({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS}));
+        syscalls.push(
+            rule(vec!["clone".into()], Action::ScmpActAllow)
+                .args(arg0(Op::ScmpCmpMaskedEq, CLONE_NAMESPACE_FLAGS, Some(0)))
+                .build()
+                .expect("a complete rule"),
+        );
+        syscalls.push(
+            rule(vec!["clone3".into()], Action::ScmpActErrno)
+                .errno_ret(ENOSYS)
+                .build()
+                .expect("a complete rule"),
+        );
     }
-    let mut out = json!({
-        "defaultAction": "SCMP_ACT_ERRNO",
-        "defaultErrnoRet": EPERM,
-        "syscalls": syscalls,
-    });
+    let mut out = LinuxSeccompBuilder::default()
+        .default_action(Action::ScmpActErrno)
+        .default_errno_ret(EPERM)
+        .syscalls(syscalls)
+        .build()
+        .expect("a complete profile");
     if !architectures.is_empty() {
-        out["architectures"] = json!(architectures);
+        out.set_architectures(Some(architectures.to_vec()));
     }
     out
 }
@@ -602,25 +625,35 @@ pub fn profile(caps: &[String], arch: &str, known: impl Fn(&str) -> bool) -> Val
 /// `profile` as libcontainer 0.7 must be given it: in every masked-equality comparison the
 /// mask moves from `value` to `valueTwo` and the datum from `valueTwo` to `value` (see the
 /// module docs). Everything else is unchanged.
-pub fn for_libcontainer(mut profile: Value) -> Value {
-    let Some(syscalls) = profile.get_mut("syscalls").and_then(|s| s.as_array_mut()) else {
+pub fn for_libcontainer(mut profile: LinuxSeccomp) -> LinuxSeccomp {
+    let Some(mut syscalls) = profile.syscalls().clone() else {
         return profile;
     };
-    for rule in syscalls {
-        let Some(args) = rule.get_mut("args").and_then(|a| a.as_array_mut()) else {
+    for rule in &mut syscalls {
+        let Some(mut args) = rule.args().clone() else {
             continue;
         };
-        for arg in args {
-            if arg.get("op").and_then(|o| o.as_str()) != Some("SCMP_CMP_MASKED_EQ") {
-                continue;
-            }
-            let mask = arg.get("value").cloned().unwrap_or(json!(0));
-            let datum = arg.get("valueTwo").cloned().unwrap_or(json!(0));
-            arg["value"] = datum;
-            arg["valueTwo"] = mask;
+        for a in args.iter_mut().filter(|a| a.op() == Op::ScmpCmpMaskedEq) {
+            let (mask, datum) = (a.value(), a.value_two().unwrap_or(0));
+            *a = arg(a.index(), a.op(), datum, Some(mask));
         }
+        rule.set_args(Some(args));
     }
+    profile.set_syscalls(Some(syscalls));
     profile
+}
+
+fn arg(index: usize, op: Op, value: u64, value_two: Option<u64>) -> LinuxSeccompArg {
+    let b = LinuxSeccompArgBuilder::default()
+        .index(index)
+        .op(op)
+        .value(value);
+    match value_two {
+        Some(v) => b.value_two(v),
+        None => b,
+    }
+    .build()
+    .expect("a complete argument")
 }
 
 fn cap_name(c: &str) -> String {
@@ -634,7 +667,7 @@ fn cap_name(c: &str) -> String {
 
 /// The text of seccomp profile `name` (a Localhost profile's path) in the docker/Kubernetes
 /// file format, in OCI form for a container holding `caps` (see [`profile_to_oci`]).
-pub fn localhost_profile(name: &str, text: &[u8], caps: &[String]) -> Result<Value> {
+pub fn localhost_profile(name: &str, text: &[u8], caps: &[String]) -> Result<LinuxSeccomp> {
     let json: Value = serde_json::from_slice(text).map_err(|source| Error::SeccompSyntax {
         profile: name.to_string(),
         source,
@@ -645,11 +678,17 @@ pub fn localhost_profile(name: &str, text: &[u8], caps: &[String]) -> Result<Val
 /// Seccomp profile `name` in the docker/Kubernetes file format (as Localhost profiles are
 /// written) to OCI form: `archMap` flattened, `name` folded into `names`,
 /// capability-conditional entries kept when the container holds the capability.
-pub fn profile_to_oci(name: &str, profile: &Value, caps: &[String]) -> Result<Value> {
-    convert(profile, caps).map_err(|defect| Error::SeccompProfile {
-        profile: name.to_string(),
-        defect,
-    })
+pub fn profile_to_oci(name: &str, profile: &Value, caps: &[String]) -> Result<LinuxSeccomp> {
+    convert(profile, caps)
+        .and_then(|v| {
+            // What OCI cannot say (an unknown action, architecture or operator) is the
+            // profile's defect, not the generated spec's.
+            serde_json::from_value(v).map_err(|e| ProfileDefect::NotOci(e.to_string()))
+        })
+        .map_err(|defect| Error::SeccompProfile {
+            profile: name.to_string(),
+            defect,
+        })
 }
 
 fn convert(profile: &Value, caps: &[String]) -> Result<Value, ProfileDefect> {
@@ -747,6 +786,11 @@ mod tests {
         caps(crate::spec::DEFAULT_CAPABILITIES)
     }
 
+    /// A profile as config.json holds it.
+    fn v(p: &LinuxSeccomp) -> Value {
+        serde_json::to_value(p).unwrap()
+    }
+
     /// The names the profile allows without looking at arguments.
     fn allowed(p: &Value) -> Vec<String> {
         p["syscalls"][0]["names"]
@@ -769,7 +813,7 @@ mod tests {
 
     #[test]
     fn default_is_an_allow_list_over_eperm() {
-        let p = profile(&default_caps(), "x86_64", |_| true);
+        let p = v(&profile(&default_caps(), "x86_64", |_| true));
         assert_eq!(p["defaultAction"], "SCMP_ACT_ERRNO");
         assert_eq!(p["defaultErrnoRet"], 1);
         assert_eq!(
@@ -859,7 +903,7 @@ mod tests {
         let with = |extra: &[&str]| {
             let mut c = default_caps();
             c.extend(caps(extra));
-            profile(&c, "x86_64", |_| true)
+            v(&profile(&c, "x86_64", |_| true))
         };
         let admin = with(&["CAP_SYS_ADMIN"]);
         let names = allowed(&admin);
@@ -891,14 +935,14 @@ mod tests {
             .into_iter()
             .filter(|c| c != "CAP_SYS_CHROOT")
             .collect();
-        assert!(!allowed(&profile(&no_chroot, "x86_64", |_| true))
+        assert!(!allowed(&v(&profile(&no_chroot, "x86_64", |_| true)))
             .iter()
             .any(|x| x == "chroot"));
     }
 
     #[test]
     fn architectures_and_their_own_syscalls() {
-        let arm = profile(&default_caps(), "aarch64", |_| true);
+        let arm = v(&profile(&default_caps(), "aarch64", |_| true));
         assert_eq!(
             arm["architectures"],
             json!(["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"])
@@ -906,19 +950,19 @@ mod tests {
         assert!(allowed(&arm).iter().any(|n| n == "set_tls"));
         assert!(!allowed(&arm).iter().any(|n| n == "arch_prctl"));
         // 32-bit hosts: their one architecture, and its own syscalls.
-        let x86 = profile(&default_caps(), "x86", |_| true);
+        let x86 = v(&profile(&default_caps(), "x86", |_| true));
         assert_eq!(x86["architectures"], json!(["SCMP_ARCH_X86"]));
         assert!(allowed(&x86).iter().any(|n| n == "modify_ldt"));
-        let arm32 = profile(&default_caps(), "arm", |_| true);
+        let arm32 = v(&profile(&default_caps(), "arm", |_| true));
         assert_eq!(arm32["architectures"], json!(["SCMP_ARCH_ARM"]));
         assert!(allowed(&arm32).iter().any(|n| n == "cacheflush"));
         assert!(!allowed(&arm32).iter().any(|n| n == "modify_ldt"));
-        let other = profile(&default_caps(), "riscv64", |_| true);
+        let other = v(&profile(&default_caps(), "riscv64", |_| true));
         assert!(other.get("architectures").is_none(), "native only");
         // Names the resolver does not know are left out rather than warned about.
-        let known = profile(&default_caps(), "x86_64", |n| n != "mseal");
+        let known = v(&profile(&default_caps(), "x86_64", |n| n != "mseal"));
         assert!(!allowed(&known).iter().any(|n| n == "mseal"));
-        assert!(allowed(&profile(&default_caps(), "x86_64", |_| true))
+        assert!(allowed(&v(&profile(&default_caps(), "x86_64", |_| true)))
             .iter()
             .any(|n| n == "mseal"));
     }
@@ -945,7 +989,7 @@ mod tests {
     #[test]
     fn clone_rule_matches_as_libcontainer_reads_it() {
         let spec: oci_spec::runtime::LinuxSeccomp =
-            serde_json::from_value(for_libcontainer(runtime_default(&default_caps()))).unwrap();
+            for_libcontainer(runtime_default(&default_caps()));
         let clone: Vec<_> = spec
             .syscalls()
             .as_ref()
@@ -980,8 +1024,7 @@ mod tests {
         }
         // The rule as written for runc, read by libcontainer, would match every clone, with
         // namespace flags too.
-        let unadapted: oci_spec::runtime::LinuxSeccomp =
-            serde_json::from_value(runtime_default(&default_caps())).unwrap();
+        let unadapted: oci_spec::runtime::LinuxSeccomp = runtime_default(&default_caps());
         let rule = unadapted
             .syscalls()
             .as_ref()
@@ -1003,7 +1046,9 @@ mod tests {
                 {"index": 1, "value": 3, "valueTwo": 4, "op": "SCMP_CMP_MASKED_EQ"},
                 {"index": 2, "value": 5, "op": "SCMP_CMP_EQ"}]},
             {"names": ["b"], "action": "SCMP_ACT_ERRNO"}]});
-        let out = for_libcontainer(p.clone());
+        let out = v(&for_libcontainer(
+            serde_json::from_value(p.clone()).unwrap(),
+        ));
         assert_eq!(
             out["syscalls"][0]["args"],
             json!([
@@ -1030,7 +1075,7 @@ mod tests {
     /// does, and checks what the kernel answers.
     fn probe_under_filter() {
         let filter: oci_spec::runtime::LinuxSeccomp =
-            serde_json::from_value(for_libcontainer(runtime_default(&default_caps()))).unwrap();
+            for_libcontainer(runtime_default(&default_caps()));
         nix::sys::prctl::set_no_new_privs().unwrap();
         libcontainer::seccomp::initialize_seccomp(&filter).unwrap();
         // SAFETY: raw syscalls with valid (or null) arguments; a clone child only `_exit`s.
@@ -1136,7 +1181,8 @@ mod tests {
                 {"names": ["mount"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
             ]
         });
-        let oci = profile_to_oci("p.json", &p, &["CAP_CHOWN".into()]).unwrap();
+        let typed = profile_to_oci("p.json", &p, &["CAP_CHOWN".into()]).unwrap();
+        let oci = v(&typed);
         assert_eq!(
             oci["architectures"],
             json!(["SCMP_ARCH_X86_64", "SCMP_ARCH_X86"])
@@ -1150,7 +1196,7 @@ mod tests {
             oci["syscalls"][1],
             json!({"names": ["chmod"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1})
         );
-        let with_admin = profile_to_oci("p.json", &p, &["CAP_SYS_ADMIN".into()]).unwrap();
+        let with_admin = v(&profile_to_oci("p.json", &p, &["CAP_SYS_ADMIN".into()]).unwrap());
         assert_eq!(with_admin["syscalls"].as_array().unwrap().len(), 3);
         // Refusals name the profile and what is wrong with it.
         for (bad, defect) in [
@@ -1186,8 +1232,15 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(localhost_profile("/p.json", p.to_string().as_bytes(), &[]).is_ok());
-        let typed: Result<oci_spec::runtime::LinuxSeccomp, _> =
-            serde_json::from_value(for_libcontainer(oci));
-        assert!(typed.is_ok(), "{typed:?}");
+        assert_eq!(typed.syscalls().as_ref().map(Vec::len), Some(2));
+        // What OCI has no word for is the profile's defect.
+        let unknown = json!({"defaultAction": "SCMP_ACT_BOGUS"});
+        match profile_to_oci("/p.json", &unknown, &[]) {
+            Err(Error::SeccompProfile {
+                defect: ProfileDefect::NotOci(m),
+                ..
+            }) => assert!(m.contains("SCMP_ACT_BOGUS"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 }

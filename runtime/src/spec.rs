@@ -4,9 +4,15 @@
 
 use std::collections::BTreeMap;
 
-use oci_spec::runtime::Spec;
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use oci_spec::runtime::{
+    self as oci, Capabilities, Capability, Linux, LinuxCapabilities, LinuxCpu, LinuxDevice,
+    LinuxDeviceCgroup, LinuxDeviceType, LinuxHugepageLimit, LinuxMemory, LinuxNamespace,
+    LinuxNamespaceType, LinuxPids, LinuxResources, LinuxSeccomp, Process, Root, Spec, User,
+};
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
 
 /// containerd's default capability set for unprivileged containers.
 pub const DEFAULT_CAPABILITIES: &[&str] = &[
@@ -140,7 +146,7 @@ pub enum Seccomp {
     /// hako's default profile (see [`crate::seccomp`]).
     RuntimeDefault,
     /// A profile in OCI form (`linux.seccomp`), e.g. converted from a Localhost profile.
-    Profile(serde_json::Value),
+    Profile(LinuxSeccomp),
 }
 
 pub use crate::seccomp::{localhost_profile, profile_to_oci};
@@ -296,246 +302,335 @@ pub fn own_bounding_set() -> Vec<String> {
         .unwrap_or_default()
 }
 
-fn namespaces(s: &ContainerSpec) -> Vec<Value> {
-    let mut out = vec![json!({"type": "mount"})];
-    for (kind, ns) in [
-        ("network", &s.network),
-        ("ipc", &s.ipc),
-        ("uts", &s.uts),
-        ("pid", &s.pid),
+fn namespaces(s: &ContainerSpec) -> Vec<LinuxNamespace> {
+    let ns = |typ: LinuxNamespaceType, path: Option<&String>| {
+        let mut n = LinuxNamespace::default();
+        n.set_typ(typ);
+        n.set_path(path.map(PathBuf::from));
+        n
+    };
+    let mut out = vec![ns(LinuxNamespaceType::Mount, None)];
+    for (kind, which) in [
+        (LinuxNamespaceType::Network, &s.network),
+        (LinuxNamespaceType::Ipc, &s.ipc),
+        (LinuxNamespaceType::Uts, &s.uts),
+        (LinuxNamespaceType::Pid, &s.pid),
     ] {
-        match ns.as_ref().unwrap_or(&Ns::New) {
-            Ns::New => out.push(json!({"type": kind})),
-            Ns::Join(path) => out.push(json!({"type": kind, "path": path})),
+        match which.as_ref().unwrap_or(&Ns::New) {
+            Ns::New => out.push(ns(kind, None)),
+            Ns::Join(path) => out.push(ns(kind, Some(path))),
             Ns::Host => {}
         }
     }
     // A cgroup namespace hides the host's hierarchy, as containerd does on cgroup v2.
-    out.push(json!({"type": "cgroup"}));
+    out.push(ns(LinuxNamespaceType::Cgroup, None));
     out
 }
 
-fn default_mounts(s: &ContainerSpec) -> Vec<Value> {
-    let sys_opts = if s.privileged {
-        json!(["nosuid", "noexec", "nodev"])
+fn mount(destination: &str, kind: &str, source: &str, options: &[&str]) -> oci::Mount {
+    let mut m = oci::Mount::default();
+    m.set_destination(destination.into());
+    m.set_typ(Some(kind.into()));
+    m.set_source(Some(source.into()));
+    m.set_options(Some(options.iter().map(|o| o.to_string()).collect()));
+    m
+}
+
+fn default_mounts(s: &ContainerSpec) -> Vec<oci::Mount> {
+    let sys_opts: &[&str] = if s.privileged {
+        &["nosuid", "noexec", "nodev"]
     } else {
-        json!(["nosuid", "noexec", "nodev", "ro"])
+        &["nosuid", "noexec", "nodev", "ro"]
     };
     let mut m = vec![
-        json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
-        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
-        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
-        json!({"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]}),
-        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": sys_opts}),
-        json!({"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup", "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}),
+        mount("/proc", "proc", "proc", &["nosuid", "noexec", "nodev"]),
+        mount(
+            "/dev",
+            "tmpfs",
+            "tmpfs",
+            &["nosuid", "strictatime", "mode=755", "size=65536k"],
+        ),
+        mount(
+            "/dev/pts",
+            "devpts",
+            "devpts",
+            &[
+                "nosuid",
+                "noexec",
+                "newinstance",
+                "ptmxmode=0666",
+                "mode=0620",
+                "gid=5",
+            ],
+        ),
+        mount(
+            "/dev/mqueue",
+            "mqueue",
+            "mqueue",
+            &["nosuid", "noexec", "nodev"],
+        ),
+        mount("/sys", "sysfs", "sysfs", sys_opts),
+        mount(
+            "/sys/fs/cgroup",
+            "cgroup",
+            "cgroup",
+            &["nosuid", "noexec", "nodev", "relatime", "ro"],
+        ),
     ];
     // /dev/shm comes from the pod when IPC is shared, else a private tmpfs.
     if !s.mounts.iter().any(|x| x.destination == "/dev/shm") {
-        m.push(json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}));
+        m.push(mount(
+            "/dev/shm",
+            "tmpfs",
+            "shm",
+            &["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+        ));
     }
     m
 }
 
-fn user_mounts(s: &ContainerSpec) -> Vec<Value> {
+fn user_mounts(s: &ContainerSpec) -> Vec<oci::Mount> {
     s.mounts
         .iter()
         .map(|mt| {
-            let mut opts = vec!["rbind".to_string()];
-            opts.push(if mt.propagation.is_empty() { "rprivate".into() } else { mt.propagation.clone() });
+            let mut opts = vec!["rbind"];
+            opts.push(if mt.propagation.is_empty() {
+                "rprivate"
+            } else {
+                &mt.propagation
+            });
             if mt.readonly {
-                opts.push("ro".into());
+                opts.push("ro");
             }
             if mt.recursive_readonly {
-                opts.push("rro".into());
+                opts.push("rro");
             }
-            json!({"destination": mt.destination, "type": "bind", "source": mt.source, "options": opts})
+            mount(&mt.destination, "bind", &mt.source, &opts)
         })
         .collect()
 }
 
-fn resources(s: &ContainerSpec) -> Value {
+/// A device cgroup rule; `None` for what it leaves open (every type, number or access).
+fn rule(
+    allow: bool,
+    kind: Option<LinuxDeviceType>,
+    major: Option<i64>,
+    minor: Option<i64>,
+    access: &str,
+) -> LinuxDeviceCgroup {
+    let mut r = LinuxDeviceCgroup::default();
+    r.set_allow(allow);
+    r.set_typ(kind);
+    r.set_major(major);
+    r.set_minor(minor);
+    r.set_access(Some(access.into()));
+    r
+}
+
+fn resources(s: &ContainerSpec) -> LinuxResources {
     let mut v = limits(&s.resources);
     if !s.privileged {
-        v["devices"] = json!([
-            {"allow": false, "access": "rwm"},
-            {"allow": true, "type": "c", "major": 1, "minor": 3, "access": "rwm"},
-            {"allow": true, "type": "c", "major": 1, "minor": 5, "access": "rwm"},
-            {"allow": true, "type": "c", "major": 1, "minor": 7, "access": "rwm"},
-            {"allow": true, "type": "c", "major": 1, "minor": 8, "access": "rwm"},
-            {"allow": true, "type": "c", "major": 1, "minor": 9, "access": "rwm"},
-            {"allow": true, "type": "c", "major": 5, "minor": 0, "access": "rwm"},
-            {"allow": true, "type": "c", "major": 5, "minor": 2, "access": "rwm"},
-            {"allow": true, "type": "c", "major": 136, "access": "rwm"},
-        ]);
-        let rules = v["devices"].as_array_mut().expect("array above");
+        let c = Some(LinuxDeviceType::C);
+        let mut rules = vec![
+            rule(false, None, None, None, "rwm"),
+            rule(true, c, Some(1), Some(3), "rwm"),
+            rule(true, c, Some(1), Some(5), "rwm"),
+            rule(true, c, Some(1), Some(7), "rwm"),
+            rule(true, c, Some(1), Some(8), "rwm"),
+            rule(true, c, Some(1), Some(9), "rwm"),
+            rule(true, c, Some(5), Some(0), "rwm"),
+            rule(true, c, Some(5), Some(2), "rwm"),
+            rule(true, c, Some(136), None, "rwm"),
+        ];
         rules.extend(s.devices.iter().filter_map(device_rule));
+        v.set_devices(Some(rules));
     }
     v
 }
 
-/// `linux.resources` without device rules: what UpdateContainerResources changes.
-pub fn limits(r: &Resources) -> Value {
-    let mut v = json!({});
-    let mut cpu = json!({});
-    if let Some(x) = r.cpu_shares {
-        cpu["shares"] = json!(x);
+/// `linux.resources` without device rules: what UpdateContainerResources changes. A limit the
+/// kernel's counters cannot hold (a hugepage limit past `i64::MAX`) is no limit.
+pub fn limits(r: &Resources) -> LinuxResources {
+    let mut v = LinuxResources::default();
+    let mut cpu = LinuxCpu::default();
+    cpu.set_shares(r.cpu_shares);
+    cpu.set_quota(r.cpu_quota);
+    cpu.set_period(r.cpu_period);
+    cpu.set_cpus(r.cpuset_cpus.clone());
+    cpu.set_mems(r.cpuset_mems.clone());
+    if cpu != LinuxCpu::default() {
+        v.set_cpu(Some(cpu));
     }
-    if let Some(x) = r.cpu_quota {
-        cpu["quota"] = json!(x);
-    }
-    if let Some(x) = r.cpu_period {
-        cpu["period"] = json!(x);
-    }
-    if let Some(x) = &r.cpuset_cpus {
-        cpu["cpus"] = json!(x);
-    }
-    if let Some(x) = &r.cpuset_mems {
-        cpu["mems"] = json!(x);
-    }
-    if cpu.as_object().is_some_and(|o| !o.is_empty()) {
-        v["cpu"] = cpu;
-    }
-    let mut mem = json!({});
-    if let Some(x) = r.memory_limit {
-        mem["limit"] = json!(x);
-    }
-    if let Some(x) = r.memory_swap {
-        mem["swap"] = json!(x);
-    }
-    if mem.as_object().is_some_and(|o| !o.is_empty()) {
-        v["memory"] = mem;
+    let mut mem = LinuxMemory::default();
+    mem.set_limit(r.memory_limit);
+    mem.set_swap(r.memory_swap);
+    if mem != LinuxMemory::default() {
+        v.set_memory(Some(mem));
     }
     if let Some(x) = r.pids_limit {
-        v["pids"] = json!({"limit": x});
+        let mut pids = LinuxPids::default();
+        pids.set_limit(x);
+        v.set_pids(Some(pids));
     }
     if !r.hugepage_limits.is_empty() {
-        v["hugepageLimits"] = r
+        let pages = r
             .hugepage_limits
             .iter()
-            .map(|(size, limit)| json!({"pageSize": size, "limit": limit}))
+            .map(|(size, limit)| {
+                let mut h = LinuxHugepageLimit::default();
+                h.set_page_size(size.clone());
+                h.set_limit(i64::try_from(*limit).unwrap_or(i64::MAX));
+                h
+            })
             .collect();
+        v.set_hugepage_limits(Some(pages));
     }
     if !r.unified.is_empty() {
-        v["unified"] = json!(r.unified);
+        v.set_unified(Some(r.unified.clone().into_iter().collect()));
     }
     v
+}
+
+/// The OCI type of a [`Device`]'s kind: "b", "u" and "p" by name, anything else a character
+/// device (what [`crate::devices::host_node`] and CDI's validation give are b, c, u or p).
+fn device_type(kind: &str) -> LinuxDeviceType {
+    match kind {
+        "b" => LinuxDeviceType::B,
+        "u" => LinuxDeviceType::U,
+        "p" => LinuxDeviceType::P,
+        _ => LinuxDeviceType::C,
+    }
 }
 
 /// A `linux.devices` entry.
-pub fn device_node(d: &Device) -> Value {
-    let mut v = json!({"path": d.path, "type": d.kind, "major": d.major, "minor": d.minor});
-    if let Some(m) = d.file_mode {
-        v["fileMode"] = json!(m);
-    }
-    if let Some(u) = d.uid {
-        v["uid"] = json!(u);
-    }
-    if let Some(g) = d.gid {
-        v["gid"] = json!(g);
-    }
+pub fn device_node(d: &Device) -> LinuxDevice {
+    let mut v = LinuxDevice::default();
+    v.set_path(PathBuf::from(&d.path));
+    v.set_typ(device_type(&d.kind));
+    v.set_major(d.major);
+    v.set_minor(d.minor);
+    v.set_file_mode(d.file_mode);
+    v.set_uid(d.uid);
+    v.set_gid(d.gid);
     v
 }
 
 /// The device cgroup rule that lets the container use `d` (fifos need none; an unbuffered
 /// character device, "u", is a character device to the cgroup).
-pub fn device_rule(d: &Device) -> Option<Value> {
-    let kind = match d.kind.as_str() {
-        "p" => return None,
-        "u" => "c",
+pub fn device_rule(d: &Device) -> Option<LinuxDeviceCgroup> {
+    let kind = match device_type(&d.kind) {
+        LinuxDeviceType::P => return None,
+        LinuxDeviceType::U => LinuxDeviceType::C,
         k => k,
     };
-    Some(
-        json!({"allow": true, "type": kind, "major": d.major, "minor": d.minor, "access": d.access}),
-    )
+    Some(rule(
+        true,
+        Some(kind),
+        Some(d.major),
+        Some(d.minor),
+        &d.access,
+    ))
 }
 
-fn devices(s: &ContainerSpec) -> Value {
-    s.devices.iter().map(device_node).collect()
+/// Capability names as OCI types them; a name oci-spec does not know is left out (the
+/// runtime's bounding set, which limits every real container, never holds one).
+fn capability_set(caps: &[String]) -> Capabilities {
+    caps.iter()
+        .filter_map(|c| Capability::from_str(c.trim_start_matches("CAP_")).ok())
+        .collect()
 }
 
-/// The OCI spec for `s`, as JSON.
-pub fn generate_json(s: &ContainerSpec) -> Value {
-    let caps = capabilities(s);
+/// The OCI spec for `s`.
+///
+/// Built field by field on purpose: oci-spec's `Default`s (and so its builders, which fill
+/// unset fields from them) are runc's example config (rlimits, noNewPrivileges, a "youki"
+/// hostname, default mounts and masks), none of which hako wants unasked.
+pub fn generate(s: &ContainerSpec) -> Spec {
+    let caps = capability_set(&capabilities(s));
     let mut mounts = default_mounts(s);
     mounts.extend(user_mounts(s));
-    let mut process = json!({
-        "terminal": s.tty,
-        "user": {"uid": s.uid, "gid": s.gid, "additionalGids": s.additional_gids},
-        "args": s.args,
-        "env": s.env,
-        "cwd": if s.cwd.is_empty() { "/" } else { &s.cwd },
-        "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
-    });
+
+    let mut user = User::default();
+    user.set_uid(s.uid);
+    user.set_gid(s.gid);
+    user.set_additional_gids(Some(s.additional_gids.clone()));
+    let mut cap_sets = LinuxCapabilities::default();
+    cap_sets.set_bounding(Some(caps.clone()));
+    cap_sets.set_effective(Some(caps.clone()));
+    cap_sets.set_permitted(Some(caps));
+    cap_sets.set_inheritable(None);
+    cap_sets.set_ambient(None);
+    let mut process = Process::default();
+    process.set_terminal(Some(s.tty));
+    process.set_user(user);
+    process.set_args(Some(s.args.clone()));
+    process.set_env(Some(s.env.clone()));
+    process.set_cwd(if s.cwd.is_empty() { "/" } else { &s.cwd }.into());
+    process.set_capabilities(Some(cap_sets));
+    process.set_rlimits(None);
     // Only present when true: libcontainer decides when to load seccomp by whether the field
     // is there, not by its value, and loads it too late (without privileges) for `false`.
-    if s.no_new_privileges {
-        process["noNewPrivileges"] = json!(true);
-    }
-    if let Some(adj) = s.oom_score_adj {
-        process["oomScoreAdj"] = json!(adj);
-    }
-    let mut linux = json!({
-        "namespaces": namespaces(s),
-        "cgroupsPath": s.cgroups_path,
-        "resources": resources(s),
-        "sysctl": s.sysctls,
-    });
-    if !s.devices.is_empty() {
-        linux["devices"] = devices(s);
-    }
+    process.set_no_new_privileges(s.no_new_privileges.then_some(true));
+    process.set_oom_score_adj(s.oom_score_adj);
+    process.set_apparmor_profile(s.apparmor_profile.clone());
+
+    let mut linux = Linux::default();
+    linux.set_namespaces(Some(namespaces(s)));
+    linux.set_cgroups_path(Some(PathBuf::from(&s.cgroups_path)));
+    linux.set_resources(Some(resources(s)));
+    linux.set_sysctl(Some(s.sysctls.clone().into_iter().collect()));
+    linux.set_devices((!s.devices.is_empty()).then(|| s.devices.iter().map(device_node).collect()));
     // Mount events only cross into (rslave) or out of (rshared) the container when its root
     // itself propagates them, as containerd sets it.
     if s.mounts.iter().any(|m| m.propagation == "rshared") {
-        linux["rootfsPropagation"] = json!("shared");
+        linux.set_rootfs_propagation(Some("shared".into()));
     } else if s.mounts.iter().any(|m| m.propagation == "rslave") {
-        linux["rootfsPropagation"] = json!("slave");
+        linux.set_rootfs_propagation(Some("slave".into()));
     }
-    if let Some(profile) = &s.apparmor_profile {
-        process["apparmorProfile"] = json!(profile);
-    }
-    if !s.privileged {
-        let profile = match &s.seccomp {
-            Seccomp::Unconfined => None,
-            Seccomp::RuntimeDefault => Some(crate::seccomp::runtime_default(&caps)),
-            Seccomp::Profile(p) => Some(p.clone()),
-        };
-        if let Some(p) = profile {
-            linux["seccomp"] = crate::seccomp::for_libcontainer(p);
-        }
-    }
-    if !s.privileged {
-        linux["maskedPaths"] = json!(s
-            .masked_paths
+    let caps_list = capabilities(s);
+    let seccomp = match &s.seccomp {
+        _ if s.privileged => None,
+        Seccomp::Unconfined => None,
+        Seccomp::RuntimeDefault => Some(crate::seccomp::runtime_default(&caps_list)),
+        Seccomp::Profile(p) => Some(p.clone()),
+    };
+    linux.set_seccomp(seccomp.map(crate::seccomp::for_libcontainer));
+    let paths = |given: &Option<Vec<String>>, default: &[&str]| {
+        given
             .clone()
-            .unwrap_or_else(|| MASKED_PATHS.iter().map(|p| p.to_string()).collect()));
-        linux["readonlyPaths"] = json!(s
-            .readonly_paths
-            .clone()
-            .unwrap_or_else(|| READONLY_PATHS.iter().map(|p| p.to_string()).collect()));
+            .unwrap_or_else(|| default.iter().map(|p| p.to_string()).collect())
+    };
+    if s.privileged {
+        linux.set_masked_paths(None);
+        linux.set_readonly_paths(None);
+    } else {
+        linux.set_masked_paths(Some(paths(&s.masked_paths, MASKED_PATHS)));
+        linux.set_readonly_paths(Some(paths(&s.readonly_paths, READONLY_PATHS)));
     }
-    let mut spec = json!({
-        "ociVersion": "1.0.2",
-        "process": process,
-        "root": {"path": s.rootfs, "readonly": s.readonly_rootfs},
-        "mounts": mounts,
-        "linux": linux,
-        "annotations": s.annotations,
-    });
-    if !matches!(s.uts, Some(Ns::Host)) && !s.hostname.is_empty() {
-        spec["hostname"] = json!(s.hostname);
-    }
-    spec
-}
 
-/// An OCI spec in JSON form (generated, then edited by CDI), typed; one that does not parse
-/// is [`crate::Error::InvalidSpec`], a bug.
-pub fn typed(v: Value) -> crate::Result<Spec> {
-    serde_json::from_value(v).map_err(crate::Error::InvalidSpec)
+    let mut root = Root::default();
+    root.set_path(PathBuf::from(&s.rootfs));
+    root.set_readonly(Some(s.readonly_rootfs));
+    let mut spec = Spec::default();
+    spec.set_version("1.0.2".into());
+    spec.set_process(Some(process));
+    spec.set_root(Some(root));
+    spec.set_mounts(Some(mounts));
+    spec.set_linux(Some(linux));
+    spec.set_annotations(Some(s.annotations.clone().into_iter().collect()));
+    spec.set_hostname(
+        (!matches!(s.uts, Some(Ns::Host)) && !s.hostname.is_empty()).then(|| s.hostname.clone()),
+    );
+    spec
 }
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
+    use oci_spec::runtime::{LinuxSeccompAction, LinuxSeccompOperator, LinuxSyscall};
+    use serde_json::json;
 
     fn base() -> ContainerSpec {
         ContainerSpec {
@@ -548,73 +643,130 @@ mod tests {
         }
     }
 
-    /// Applies `tweak` to a base spec and hands the generated JSON to `check`.
-    fn check(tweak: impl FnOnce(&mut ContainerSpec), check: impl FnOnce(&Value)) {
+    /// Applies `tweak` to a base spec and hands the generated spec to `check`.
+    fn check(tweak: impl FnOnce(&mut ContainerSpec), check: impl FnOnce(&Spec)) {
         let mut s = base();
         tweak(&mut s);
-        let v = generate_json(&s);
-        typed(v.clone()).expect("spec parses as OCI");
-        check(&v);
+        let spec = generate(&s);
+        // What libcontainer reads back is what was generated.
+        let text = serde_json::to_string(&spec).unwrap();
+        assert_eq!(serde_json::from_str::<Spec>(&text).unwrap(), spec);
+        check(&spec);
     }
 
-    fn caps_of(v: &Value) -> Vec<String> {
-        v["process"]["capabilities"]["bounding"]
-            .as_array()
-            .unwrap()
+    fn process(s: &Spec) -> &Process {
+        s.process().as_ref().unwrap()
+    }
+
+    fn linux(s: &Spec) -> &Linux {
+        s.linux().as_ref().unwrap()
+    }
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    /// The bounding set, by name; effective and permitted must be the same set.
+    fn caps_of(s: &Spec) -> Vec<String> {
+        let c = process(s).capabilities().as_ref().unwrap();
+        assert_eq!(c.bounding(), c.effective());
+        assert_eq!(c.bounding(), c.permitted());
+        assert!(c.inheritable().is_none() && c.ambient().is_none());
+        let mut names: Vec<String> = c
+            .bounding()
             .iter()
-            .map(|c| c.as_str().unwrap().to_string())
+            .flatten()
+            .map(|c| format!("CAP_{c}"))
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn mount_at<'a>(s: &'a Spec, destination: &str) -> Vec<&'a oci::Mount> {
+        s.mounts()
+            .iter()
+            .flatten()
+            .filter(|m| m.destination() == Path::new(destination))
             .collect()
+    }
+
+    fn rules(s: &Spec) -> &[LinuxDeviceCgroup] {
+        linux(s)
+            .resources()
+            .as_ref()
+            .unwrap()
+            .devices()
+            .as_deref()
+            .unwrap_or_default()
+    }
+
+    fn syscalls(s: &Spec) -> &[LinuxSyscall] {
+        linux(s)
+            .seccomp()
+            .as_ref()
+            .expect("a seccomp profile")
+            .syscalls()
+            .as_deref()
+            .unwrap()
     }
 
     #[test]
     fn defaults_match_containerd() {
         check(
             |_| {},
-            |v| {
-                assert_eq!(caps_of(v).len(), DEFAULT_CAPABILITIES.len());
-                assert_eq!(v["process"]["cwd"], "/");
-                assert_eq!(v["hostname"], "pod");
-                assert!(v["linux"]["maskedPaths"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .any(|p| p == "/proc/kcore"));
+            |s| {
+                let mut want = strings(DEFAULT_CAPABILITIES);
+                want.sort();
+                assert_eq!(caps_of(s), want);
+                assert_eq!(process(s).cwd(), Path::new("/"));
+                assert_eq!(process(s).terminal(), Some(false));
+                // None of oci-spec's runc-like defaults come along.
+                assert!(process(s).rlimits().is_none());
+                assert!(process(s).no_new_privileges().is_none());
+                assert_eq!(s.version(), "1.0.2");
+                assert_eq!(s.hostname().as_deref(), Some("pod"));
+                let masked = linux(s).masked_paths().as_ref().unwrap();
+                assert!(masked.iter().any(|p| p == "/proc/kcore"));
+                let deny = &rules(s)[0];
                 assert_eq!(
-                    v["linux"]["resources"]["devices"][0],
-                    json!({"allow": false, "access": "rwm"})
+                    (deny.allow(), deny.typ(), deny.major(), deny.minor()),
+                    (false, None, None, None)
                 );
-                assert!(v["mounts"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .any(|m| m["destination"] == "/dev/shm"));
-                assert_eq!(v["linux"]["cgroupsPath"], "/hako/c1");
+                assert_eq!(deny.access().as_deref(), Some("rwm"));
+                assert_eq!(mount_at(s, "/dev/shm").len(), 1);
+                assert_eq!(
+                    linux(s).cgroups_path().as_deref(),
+                    Some(Path::new("/hako/c1"))
+                );
+                assert!(linux(s).devices().is_none());
+                assert!(linux(s).uid_mappings().is_none());
             },
         );
     }
 
     #[test]
     fn capabilities_add_drop_and_all() {
+        let has = |s: &Spec, c: &str| caps_of(s).contains(&c.to_string());
         check(
             |s| s.add_capabilities = vec!["SYS_ADMIN".into()],
-            |v| assert!(caps_of(v).contains(&"CAP_SYS_ADMIN".to_string())),
+            |s| assert!(has(s, "CAP_SYS_ADMIN")),
         );
         check(
             |s| s.drop_capabilities = vec!["CHOWN".into()],
-            |v| assert!(!caps_of(v).contains(&"CAP_CHOWN".to_string())),
+            |s| assert!(!has(s, "CAP_CHOWN")),
         );
         check(
             |s| s.drop_capabilities = vec!["ALL".into()],
-            |v| assert!(caps_of(v).is_empty()),
+            |s| assert!(caps_of(s).is_empty()),
         );
         check(
             |s| {
                 s.add_capabilities = vec!["ALL".into()];
                 s.drop_capabilities = vec!["NET_RAW".into()];
             },
-            |v| {
-                assert_eq!(caps_of(v).len(), ALL_CAPABILITIES.len() - 1);
-                assert!(!caps_of(v).contains(&"CAP_NET_RAW".to_string()));
+            |s| {
+                assert_eq!(caps_of(s).len(), ALL_CAPABILITIES.len() - 1);
+                assert!(!has(s, "CAP_NET_RAW"));
             },
         );
     }
@@ -629,9 +781,9 @@ mod tests {
                 s.privileged = true;
                 s.cap_limit = without_sys_resource.clone();
             },
-            |v| {
-                assert_eq!(caps_of(v).len(), ALL_CAPABILITIES.len() - 1);
-                assert!(!caps_of(v).contains(&"CAP_SYS_RESOURCE".to_string()));
+            |s| {
+                assert_eq!(caps_of(s).len(), ALL_CAPABILITIES.len() - 1);
+                assert!(!caps_of(s).contains(&"CAP_SYS_RESOURCE".to_string()));
             },
         );
     }
@@ -640,24 +792,23 @@ mod tests {
     fn seccomp_default_is_generated_and_privileged_ignores_it() {
         check(
             |s| s.seccomp = Seccomp::RuntimeDefault,
-            |v| {
-                let sc = &v["linux"]["seccomp"];
-                assert_eq!(sc["defaultAction"], "SCMP_ACT_ERRNO");
-                let allowed = sc["syscalls"][0]["names"].as_array().unwrap();
+            |s| {
+                let sc = linux(s).seccomp().as_ref().unwrap();
+                assert_eq!(sc.default_action(), LinuxSeccompAction::ScmpActErrno);
+                let allowed = syscalls(s)[0].names();
                 assert!(allowed.iter().any(|n| n == "read"));
                 assert!(!allowed.iter().any(|n| n == "mount"));
                 // The clone rule reaches the spec in libcontainer's reading (mask in valueTwo).
-                let clone = sc["syscalls"]
-                    .as_array()
-                    .unwrap()
+                let clone = syscalls(s)
                     .iter()
-                    .find(|r| r["names"] == json!(["clone"]))
+                    .find(|r| r.names() == &["clone".to_string()])
                     .expect("a clone rule");
+                let arg = &clone.args().as_ref().unwrap()[0];
+                assert_eq!(arg.op(), LinuxSeccompOperator::ScmpCmpMaskedEq);
                 assert_eq!(
-                    clone["args"][0]["valueTwo"],
-                    crate::seccomp::CLONE_NAMESPACE_FLAGS
+                    (arg.value(), arg.value_two()),
+                    (0, Some(crate::seccomp::CLONE_NAMESPACE_FLAGS))
                 );
-                assert_eq!(clone["args"][0]["value"], 0);
             },
         );
         check(
@@ -665,10 +816,8 @@ mod tests {
                 s.seccomp = Seccomp::RuntimeDefault;
                 s.add_capabilities = vec!["SYS_ADMIN".into()];
             },
-            |v| {
-                let allowed = v["linux"]["seccomp"]["syscalls"][0]["names"]
-                    .as_array()
-                    .unwrap();
+            |s| {
+                let allowed = syscalls(s)[0].names();
                 assert!(
                     allowed.iter().any(|n| n == "mount"),
                     "CAP_SYS_ADMIN allows mount"
@@ -681,11 +830,11 @@ mod tests {
                 s.seccomp = Seccomp::RuntimeDefault;
                 s.privileged = true;
             },
-            |v| assert!(v["linux"].get("seccomp").is_none()),
+            |s| assert!(linux(s).seccomp().is_none()),
         );
         check(
             |_| {},
-            |v| assert!(v["linux"].get("seccomp").is_none(), "unconfined by default"),
+            |s| assert!(linux(s).seccomp().is_none(), "unconfined by default"),
         );
     }
 
@@ -695,11 +844,17 @@ mod tests {
             {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
              "args": [{"index": 0, "value": 0x7E02_0000u64, "op": "SCMP_CMP_MASKED_EQ"}]}]});
         check(
-            |s| s.seccomp = Seccomp::Profile(p.clone()),
-            |v| {
+            |s| s.seccomp = Seccomp::Profile(serde_json::from_value(p.clone()).unwrap()),
+            |s| {
+                let arg = &syscalls(s)[0].args().as_ref().unwrap()[0];
                 assert_eq!(
-                    v["linux"]["seccomp"]["syscalls"][0]["args"][0],
-                    json!({"index": 0, "value": 0, "valueTwo": 0x7E02_0000u64, "op": "SCMP_CMP_MASKED_EQ"})
+                    (arg.index(), arg.value(), arg.value_two(), arg.op()),
+                    (
+                        0,
+                        0,
+                        Some(0x7E02_0000u64),
+                        LinuxSeccompOperator::ScmpCmpMaskedEq
+                    )
                 );
             },
         );
@@ -709,29 +864,27 @@ mod tests {
     fn apparmor_profile_reaches_the_process() {
         check(
             |s| s.apparmor_profile = Some("hako-default".into()),
-            |v| assert_eq!(v["process"]["apparmorProfile"], "hako-default"),
+            |s| {
+                assert_eq!(
+                    process(s).apparmor_profile().as_deref(),
+                    Some("hako-default")
+                )
+            },
         );
-        check(
-            |_| {},
-            |v| assert!(v["process"].get("apparmorProfile").is_none()),
-        );
+        check(|_| {}, |s| assert!(process(s).apparmor_profile().is_none()));
     }
 
     #[test]
     fn privileged_gets_everything_and_no_masks() {
         check(
             |s| s.privileged = true,
-            |v| {
-                assert_eq!(caps_of(v).len(), ALL_CAPABILITIES.len());
-                assert!(v["linux"].get("maskedPaths").is_none());
-                assert!(v["linux"]["resources"].get("devices").is_none());
-                let sys = v["mounts"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .find(|m| m["destination"] == "/sys")
-                    .unwrap();
-                assert!(!sys["options"].as_array().unwrap().iter().any(|o| o == "ro"));
+            |s| {
+                assert_eq!(caps_of(s).len(), ALL_CAPABILITIES.len());
+                assert!(linux(s).masked_paths().is_none());
+                assert!(linux(s).readonly_paths().is_none());
+                assert!(linux(s).resources().as_ref().unwrap().devices().is_none());
+                let sys = mount_at(s, "/sys")[0];
+                assert!(!sys.options().iter().flatten().any(|o| o == "ro"));
             },
         );
     }
@@ -744,13 +897,27 @@ mod tests {
                 s.pid = Some(Ns::Host);
                 s.uts = Some(Ns::Host);
             },
-            |v| {
-                let ns = v["linux"]["namespaces"].as_array().unwrap();
-                assert!(ns.contains(&json!({"type": "network", "path": "/run/hako/pods/p/ns/net"})));
-                assert!(ns.contains(&json!({"type": "ipc"})));
-                assert!(!ns.iter().any(|n| n["type"] == "pid" || n["type"] == "uts"));
+            |s| {
+                let ns: Vec<(LinuxNamespaceType, Option<PathBuf>)> = linux(s)
+                    .namespaces()
+                    .iter()
+                    .flatten()
+                    .map(|n| (n.typ(), n.path().clone()))
+                    .collect();
+                assert_eq!(
+                    ns,
+                    [
+                        (LinuxNamespaceType::Mount, None),
+                        (
+                            LinuxNamespaceType::Network,
+                            Some("/run/hako/pods/p/ns/net".into())
+                        ),
+                        (LinuxNamespaceType::Ipc, None),
+                        (LinuxNamespaceType::Cgroup, None),
+                    ]
+                );
                 assert!(
-                    v.get("hostname").is_none(),
+                    s.hostname().is_none(),
                     "no hostname in the host's UTS namespace"
                 );
             },
@@ -780,25 +947,32 @@ mod tests {
                 s.additional_gids = vec![10, 50000];
                 s.readonly_rootfs = true;
                 s.no_new_privileges = true;
+                s.oom_score_adj = Some(-998);
             },
-            |v| {
-                let m = v["mounts"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .find(|m| m["destination"] == "/data")
-                    .unwrap();
-                assert_eq!(m["options"], json!(["rbind", "rslave", "ro"]));
-                assert_eq!(v["linux"]["resources"]["memory"]["limit"], 64 << 20);
-                assert_eq!(v["linux"]["resources"]["cpu"]["quota"], 50_000);
-                assert_eq!(v["linux"]["resources"]["pids"]["limit"], 42);
+            |s| {
+                let m = mount_at(s, "/data")[0];
+                assert_eq!(m.typ().as_deref(), Some("bind"));
+                assert_eq!(m.source().as_deref(), Some(Path::new("/srv")));
                 assert_eq!(
-                    v["process"]["user"],
-                    json!({"uid": 1000, "gid": 1000, "additionalGids": [10, 50000]})
+                    m.options().as_deref(),
+                    Some(&strings(&["rbind", "rslave", "ro"])[..])
                 );
-                assert_eq!(v["root"]["readonly"], true);
-                assert_eq!(v["process"]["noNewPrivileges"], true);
-                assert_eq!(v["linux"]["rootfsPropagation"], "slave");
+                let r = linux(s).resources().as_ref().unwrap();
+                assert_eq!(r.memory().as_ref().unwrap().limit(), Some(64 << 20));
+                assert_eq!(r.memory().as_ref().unwrap().swap(), None);
+                let cpu = r.cpu().as_ref().unwrap();
+                assert_eq!(
+                    (cpu.quota(), cpu.period(), cpu.shares()),
+                    (Some(50_000), Some(100_000), None)
+                );
+                assert_eq!(r.pids().as_ref().unwrap().limit(), 42);
+                let user = process(s).user();
+                assert_eq!((user.uid(), user.gid()), (1000, 1000));
+                assert_eq!(user.additional_gids().as_deref(), Some(&[10, 50000][..]));
+                assert_eq!(s.root().as_ref().unwrap().readonly(), Some(true));
+                assert_eq!(process(s).no_new_privileges(), Some(true));
+                assert_eq!(process(s).oom_score_adj(), Some(-998));
+                assert_eq!(linux(s).rootfs_propagation().as_deref(), Some("slave"));
             },
         );
     }
@@ -852,22 +1026,13 @@ mod tests {
     #[test]
     fn unified_limits_reach_the_spec_only_when_set() {
         let mut r = Resources::default();
-        assert!(limits(&r).get("unified").is_none());
+        assert_eq!(limits(&r), LinuxResources::default());
         r.unified.insert("memory.high".into(), "64M".into());
-        assert_eq!(limits(&r)["unified"], json!({"memory.high": "64M"}));
+        assert_eq!(limits(&r).unified().as_ref().unwrap()["memory.high"], "64M");
     }
 
     #[test]
     fn the_pods_dev_shm_replaces_the_private_one() {
-        let shm = |v: &Value| -> Vec<Value> {
-            v["mounts"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|m| m["destination"] == "/dev/shm")
-                .cloned()
-                .collect()
-        };
         let mount = |destination: &str, source: &str| Mount {
             destination: destination.into(),
             source: source.into(),
@@ -875,31 +1040,31 @@ mod tests {
             propagation: String::new(),
             recursive_readonly: false,
         };
+        let source = |m: &oci::Mount| m.source().clone().unwrap();
         check(
             |s| s.mounts.push(mount("/dev/shm", "/run/hako/pods/p/shm")),
-            |v| {
-                let m = shm(v);
+            |s| {
+                let m = mount_at(s, "/dev/shm");
                 assert_eq!(m.len(), 1, "{m:?}");
-                assert_eq!(m[0]["source"], "/run/hako/pods/p/shm");
+                assert_eq!(source(m[0]), Path::new("/run/hako/pods/p/shm"));
             },
         );
         check(
             |s| s.mounts.push(mount("/data", "/srv")),
-            |v| assert_eq!(shm(v)[0]["source"], "shm"),
+            |s| assert_eq!(source(mount_at(s, "/dev/shm")[0]), Path::new("shm")),
         );
     }
 
     #[test]
-    fn typed_keeps_the_spec_and_names_a_bad_one() {
-        let s = typed(generate_json(&base())).unwrap();
-        let process = s.process().as_ref().unwrap();
-        assert_eq!(process.args().as_ref().unwrap(), &["sh".to_string()]);
-        assert_eq!(s.hostname().as_deref(), Some("pod"));
-        let e = typed(json!({"ociVersion": 1})).unwrap_err();
-        assert!(matches!(e, crate::Error::InvalidSpec(_)), "{e:?}");
-        assert_eq!(e.to_string(), "generated OCI spec is invalid");
-        let source = std::error::Error::source(&e).expect("serde's error as the source");
-        assert!(source.to_string().contains("invalid type"), "{source}");
+    fn generate_gives_the_typed_spec() {
+        let s = generate(&base());
+        assert_eq!(process(&s).args().as_deref(), Some(&strings(&["sh"])[..]));
+        assert_eq!(
+            process(&s).env().as_deref(),
+            Some(&strings(&["PATH=/bin"])[..])
+        );
+        assert_eq!(s.root().as_ref().unwrap().path(), Path::new("rootfs"));
+        assert!(s.hooks().is_none() && s.domainname().is_none());
     }
 
     #[test]
@@ -942,46 +1107,53 @@ mod tests {
                     recursive_readonly: true,
                 });
             },
-            |v| {
-                let d = &v["linux"]["devices"][0];
+            |s| {
+                let d = &linux(s).devices().as_ref().unwrap()[0];
                 assert_eq!(
-                    (d["path"].as_str(), d["type"].as_str()),
-                    (Some("/dev/fake0"), Some("c"))
+                    (d.path(), d.typ(), d.major(), d.minor()),
+                    (&PathBuf::from("/dev/fake0"), LinuxDeviceType::C, 1, 3)
                 );
                 assert_eq!(
-                    (d["fileMode"].as_u64(), d["gid"].as_u64()),
-                    (Some(0o620), Some(5))
+                    (d.file_mode(), d.uid(), d.gid()),
+                    (Some(0o620), None, Some(5))
                 );
-                assert!(d.get("uid").is_none());
-                let rules = v["linux"]["resources"]["devices"].as_array().unwrap();
-                let last = rules.last().unwrap();
-                assert_eq!(last["access"], "rw");
+                let last = rules(s).last().unwrap();
+                assert_eq!(last.access().as_deref(), Some("rw"));
                 assert_eq!(
-                    (last["major"].as_i64(), last["minor"].as_i64()),
-                    (Some(1), Some(3))
+                    (last.allow(), last.typ(), last.major(), last.minor()),
+                    (true, Some(LinuxDeviceType::C), Some(1), Some(3))
                 );
-                assert_eq!(
-                    v["linux"]["resources"]["hugepageLimits"][0]["pageSize"],
-                    "2MB"
-                );
-                assert_eq!(
-                    v["linux"]["resources"]["hugepageLimits"][0]["limit"],
-                    4 << 20
-                );
-                let m = v["mounts"]
-                    .as_array()
+                let pages = linux(s)
+                    .resources()
+                    .as_ref()
                     .unwrap()
-                    .iter()
-                    .find(|m| m["destination"] == "/data")
+                    .hugepage_limits()
+                    .clone()
                     .unwrap();
-                let opts: Vec<&str> = m["options"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .filter_map(|o| o.as_str())
-                    .collect();
-                assert!(opts.contains(&"ro") && opts.contains(&"rro"), "{opts:?}");
+                assert_eq!(
+                    (pages[0].page_size().as_str(), pages[0].limit()),
+                    ("2MB", 4 << 20)
+                );
+                let opts = mount_at(s, "/data")[0].options().clone().unwrap();
+                assert!(
+                    opts.iter().any(|o| o == "ro") && opts.iter().any(|o| o == "rro"),
+                    "{opts:?}"
+                );
             },
         );
+        // A fifo gets a node and no cgroup rule; "u" is a character device to the cgroup.
+        let fifo = Device {
+            path: "/dev/f".into(),
+            kind: "p".into(),
+            access: "rwm".into(),
+            ..Default::default()
+        };
+        assert_eq!(device_node(&fifo).typ(), LinuxDeviceType::P);
+        assert!(device_rule(&fifo).is_none());
+        let u = Device {
+            kind: "u".into(),
+            ..fifo
+        };
+        assert_eq!(device_rule(&u).unwrap().typ(), Some(LinuxDeviceType::C));
     }
 }

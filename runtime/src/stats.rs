@@ -100,11 +100,7 @@ pub fn sample(cgroups_path: &str) -> Result<Sample> {
 
 /// Applies new limits to the cgroup at `cgroups_path` (UpdateContainerResources).
 pub fn update(cgroups_path: &str, r: &crate::spec::Resources) -> Result<()> {
-    let resources: oci_spec::runtime::LinuxResources =
-        serde_json::from_value(crate::spec::limits(r)).map_err(|source| Error::Resources {
-            path: cgroups_path.to_string(),
-            source,
-        })?;
+    let resources = crate::spec::limits(r);
     let cm = manager(cgroups_path, update_error)?;
     cm.apply(&ControllerOpt {
         resources: &resources,

@@ -103,13 +103,7 @@ impl Runtime {
                 .await
                 .map_err(|e| Error::Internal(format!("CDI task: {e}")))?
         }
-        .map_err(|e| {
-            let msg = format!("container {}: {e}", req.name);
-            match e {
-                hako_runtime::cdi::CdiError::NotFound(_) => Error::NotFound(msg),
-                hako_runtime::cdi::CdiError::Invalid(_) => Error::InvalidArgument(msg),
-            }
-        })?;
+        .map_err(|e| Error::from(e).context(format!("container {}", req.name)))?;
         let target_pid = if req.security.pid == NsMode::Target {
             Some(self.pid_target(&pod, &req).await?)
         } else {
@@ -134,13 +128,12 @@ impl Runtime {
             user,
         } = planned;
         let cgroups_path = cs.cgroups_path.clone();
-        let mut oci = oci::generate_json(&cs);
+        let mut oci = oci::generate(&cs);
         hako_runtime::cdi::apply(&mut oci, &cdi)
-            .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", req.name)))?;
+            .map_err(|e| Error::from(e).context(format!("container {}", req.name)))?;
         if !cdi_names.is_empty() {
             tracing::info!(container = %id, devices = ?cdi_names, "CDI devices injected");
         }
-        let oci = oci::typed(oci)?;
         let cfg = bundle.join("config.json");
         oci.save(&cfg)
             .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;

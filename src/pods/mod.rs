@@ -40,6 +40,7 @@ pub mod rootfs;
 mod sandbox;
 pub mod spec;
 mod stats;
+mod streams;
 pub mod types;
 
 use std::collections::HashMap;

@@ -350,6 +350,44 @@ impl MonitorClient {
             .await
     }
 
+    /// Starts a streaming call (`Exec`, `Attach`): its connection, once the monitor answered
+    /// OK, carries the stream frames of `wire`. Bounded by the slow-call deadline (an exec is
+    /// a libcontainer run) up to the answer; the stream itself has no deadline.
+    pub async fn open_stream<Q: prost::Message>(
+        &self,
+        method: Method,
+        req: &Q,
+        what: &str,
+    ) -> Result<tokio::net::UnixStream> {
+        let unavailable = |e: std::io::Error| {
+            Error::Unavailable(format!("pod monitor at {}: {e}", self.socket.display()))
+        };
+        let open = async {
+            let (_dir, short) =
+                hako_runtime::monitor::short_socket_path(&self.socket).map_err(unavailable)?;
+            let mut conn = tokio::net::UnixStream::connect(short)
+                .await
+                .map_err(unavailable)?;
+            wire::write_frame(&mut conn, method as u8, &req.encode_to_vec())
+                .await
+                .map_err(unavailable)?;
+            let (status, body) = wire::read_frame(&mut conn).await.map_err(unavailable)?;
+            if status != code::OK {
+                return Err(status_err(what, status, &body));
+            }
+            Ok(conn)
+        };
+        tokio::time::timeout(SLOW_CALL_DEADLINE, open)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::DeadlineExceeded(format!(
+                    "{what}: pod monitor at {} did not answer {method:?} within {} s",
+                    self.socket.display(),
+                    SLOW_CALL_DEADLINE.as_secs()
+                )))
+            })
+    }
+
     pub async fn reopen_log(&self, id: &str) -> Result<()> {
         let _: pb::Empty = self
             .call(

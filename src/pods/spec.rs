@@ -1028,13 +1028,14 @@ mod tests {
             let oci::Seccomp::Profile(v) = &p.spec.seccomp else {
                 panic!("not a profile: {:?}", p.spec.seccomp)
             };
-            assert_eq!(v["defaultAction"], "SCMP_ACT_ERRNO");
-            v["syscalls"]
-                .as_array()
-                .unwrap()
+            assert_eq!(
+                v.default_action(),
+                oci_spec::runtime::LinuxSeccompAction::ScmpActErrno
+            );
+            v.syscalls()
                 .iter()
-                .flat_map(|s| s["names"].as_array().unwrap().clone())
-                .map(|n| n.as_str().unwrap().to_string())
+                .flatten()
+                .flat_map(|s| s.names().clone())
                 .collect()
         };
         for (add, want) in [

@@ -17,6 +17,7 @@ use nix::unistd::{fork, ForkResult, Pid};
 use serde::{Deserialize, Serialize};
 
 use super::Options;
+use crate::error::{Error, Result};
 
 /// Which namespaces the pod gets of its own (false: the host's).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,7 +29,7 @@ pub struct NamespaceSet {
 }
 
 /// Sets IFF_UP on `lo` in the current network namespace.
-fn loopback_up() -> Result<(), String> {
+fn loopback_up() -> Result<()> {
     #[repr(C)]
     struct IfReq {
         name: [u8; 16],
@@ -39,7 +40,7 @@ fn loopback_up() -> Result<(), String> {
     unsafe {
         let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
         if fd < 0 {
-            return Err(format!("socket: {}", std::io::Error::last_os_error()));
+            return Err(Error::sys("socket", std::io::Error::last_os_error()));
         }
         let mut req = IfReq {
             name: [0; 16],
@@ -48,11 +49,11 @@ fn loopback_up() -> Result<(), String> {
         };
         req.name[..2].copy_from_slice(b"lo");
         let r = if libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req) < 0 {
-            Err(format!("get lo flags: {}", std::io::Error::last_os_error()))
+            Err(Error::sys("get lo flags", std::io::Error::last_os_error()))
         } else {
             req.flags |= libc::IFF_UP as libc::c_short;
             if libc::ioctl(fd, libc::SIOCSIFFLAGS, &req) < 0 {
-                Err(format!("set lo up: {}", std::io::Error::last_os_error()))
+                Err(Error::sys("set lo up", std::io::Error::last_os_error()))
             } else {
                 Ok(())
             }
@@ -62,9 +63,9 @@ fn loopback_up() -> Result<(), String> {
     }
 }
 
-fn set_sysctl(key: &str, value: &str) -> Result<(), String> {
+fn set_sysctl(key: &str, value: &str) -> Result<()> {
     let path = Path::new("/proc/sys").join(key.replace('.', "/"));
-    std::fs::write(&path, value).map_err(|e| format!("sysctl {key}={value}: {e}"))
+    std::fs::write(&path, value).map_err(|e| Error::sys(format!("sysctl {key}={value}"), e))
 }
 
 /// Runs in the forked child: never returns.
@@ -73,7 +74,7 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
     // SAFETY: closing an fd this process does not otherwise use.
     unsafe { libc::close(super::READY_FD) };
     let ns = opts.namespaces;
-    let setup = || -> Result<(), String> {
+    let setup = || -> Result<()> {
         let mut flags = CloneFlags::empty();
         if ns.network {
             flags |= CloneFlags::CLONE_NEWNET;
@@ -84,10 +85,10 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
         if ns.uts {
             flags |= CloneFlags::CLONE_NEWUTS;
         }
-        unshare(flags).map_err(|e| format!("unshare pod namespaces: {e}"))?;
+        unshare(flags).map_err(|e| Error::sys("unshare pod namespaces", e))?;
         if ns.uts && !opts.hostname.is_empty() {
             nix::unistd::sethostname(&opts.hostname)
-                .map_err(|e| format!("set hostname {:?}: {e}", opts.hostname))?;
+                .map_err(|e| Error::sys(format!("set hostname {:?}", opts.hostname), e))?;
         }
         if ns.network {
             loopback_up()?;
@@ -96,12 +97,13 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
             set_sysctl(k, v)?;
         }
         if ns.pid {
-            unshare(CloneFlags::CLONE_NEWPID).map_err(|e| format!("unshare pid namespace: {e}"))?;
+            unshare(CloneFlags::CLONE_NEWPID)
+                .map_err(|e| Error::sys("unshare pid namespace", e))?;
         }
         Ok(())
     };
     if let Err(e) = setup() {
-        let _ = writeln!(report, "E{e}");
+        let _ = writeln!(report, "E{}", e.chain());
         std::process::exit(1);
     }
     if ns.pid {
@@ -182,14 +184,14 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
 /// Starts the infra process and pins its namespaces; returns the pid of the pod's init (only
 /// with a pod PID namespace: it lives as long as the pod) and the namespace paths containers
 /// join ("network", "ipc", "uts", "pid").
-pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>), String> {
+pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>)> {
     let ns = opts.namespaces;
     if !(ns.network || ns.ipc || ns.uts || ns.pid) && opts.sysctls.is_empty() {
         return Ok((None, HashMap::new()));
     }
-    let (r, w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    let (r, w) = nix::unistd::pipe().map_err(|e| Error::sys("pipe", e))?;
     // SAFETY: called before the monitor starts any thread.
-    let pid = match unsafe { fork() }.map_err(|e| format!("fork infra: {e}"))? {
+    let pid = match unsafe { fork() }.map_err(|e| Error::sys("fork infra", e))? {
         ForkResult::Child => {
             drop(r);
             infra_child(opts, std::fs::File::from(w))
@@ -200,22 +202,26 @@ pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>), S
     let mut msg = String::new();
     std::fs::File::from(r)
         .read_to_string(&mut msg)
-        .map_err(|e| format!("read infra report: {e}"))?;
+        .map_err(|e| Error::sys("read infra report", e))?;
     let msg = msg.trim();
     let infra = if let Some(p) = msg.strip_prefix('P') {
-        Pid::from_raw(p.parse().map_err(|_| format!("infra report {msg:?}"))?)
+        Pid::from_raw(
+            p.parse()
+                .map_err(|_| Error::Helper(format!("infra report {msg:?}")))?,
+        )
     } else {
         let _ = waitpid(pid, None);
-        return Err(msg
-            .strip_prefix('E')
-            .unwrap_or("infra process died")
-            .to_string());
+        return Err(Error::Helper(
+            msg.strip_prefix('E')
+                .unwrap_or("infra process died")
+                .to_string(),
+        ));
     };
     if infra != pid {
         // The intermediate exits once pid 1 of the pod namespace exists.
         match waitpid(pid, None) {
             Ok(WaitStatus::Exited(_, 0)) => {}
-            other => return Err(format!("infra intermediate: {other:?}")),
+            other => return Err(Error::Helper(format!("infra intermediate: {other:?}"))),
         }
     }
     let pinned = pin(opts, infra);
@@ -233,9 +239,9 @@ pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>), S
     }
 }
 
-fn pin(opts: &Options, infra: Pid) -> Result<HashMap<String, String>, String> {
+fn pin(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
     let ns_dir = opts.dir.join("ns");
-    std::fs::create_dir_all(&ns_dir).map_err(|e| format!("create {}: {e}", ns_dir.display()))?;
+    std::fs::create_dir_all(&ns_dir).map_err(|e| Error::io("create", &ns_dir, e))?;
     let mut paths = HashMap::new();
     let ns = opts.namespaces;
     for (kind, file, wanted) in [
@@ -248,7 +254,7 @@ fn pin(opts: &Options, infra: Pid) -> Result<HashMap<String, String>, String> {
             continue;
         }
         let target = ns_dir.join(file);
-        std::fs::File::create(&target).map_err(|e| format!("create {}: {e}", target.display()))?;
+        std::fs::File::create(&target).map_err(|e| Error::io("create", &target, e))?;
         let source = format!("/proc/{}/ns/{file}", infra.as_raw());
         mount(
             Some(source.as_str()),
@@ -257,7 +263,7 @@ fn pin(opts: &Options, infra: Pid) -> Result<HashMap<String, String>, String> {
             MsFlags::MS_BIND,
             None::<&str>,
         )
-        .map_err(|e| format!("pin {kind} namespace at {}: {e}", target.display()))?;
+        .map_err(|e| Error::sys(format!("pin {kind} namespace at {}", target.display()), e))?;
         paths.insert(kind.to_string(), target.to_string_lossy().into_owned());
     }
     Ok(paths)

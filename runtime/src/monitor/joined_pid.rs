@@ -27,6 +27,8 @@ use nix::sched::{setns, unshare, CloneFlags};
 use nix::sys::stat::Mode;
 use nix::unistd::{fork, ForkResult};
 
+use crate::error::{Error, Result};
+
 /// The prepared mount namespace, named in the bundle's config.json while this lives; dropping
 /// it puts back the daemon's config.json.
 pub(super) struct MountNs {
@@ -45,18 +47,14 @@ impl Drop for MountNs {
     }
 }
 
-/// What `prepare` says when the PID namespace to join has no init any more.
-pub(super) const PID_NS_GONE: &str =
-    "the pod's PID namespace is gone (its init, the infra process, exited)";
-
 /// When the bundle's spec joins a PID namespace by path and would unshare a mount namespace,
 /// prepares that mount namespace and names it in the spec. Runs in the throwaway helper that
 /// then calls libcontainer; keep the result alive until libcontainer's create returns.
-pub(super) fn prepare(bundle: &Path) -> Result<Option<MountNs>, String> {
+pub(super) fn prepare(bundle: &Path) -> Result<Option<MountNs>> {
     let config = bundle.join("config.json");
-    let original = std::fs::read(&config).map_err(|e| format!("read {}: {e}", config.display()))?;
+    let original = std::fs::read(&config).map_err(|e| Error::io("read", &config, e))?;
     let mut spec: serde_json::Value = serde_json::from_slice(&original)
-        .map_err(|e| format!("parse {}: {e}", config.display()))?;
+        .map_err(|e| Error::sys(format!("parse {}", config.display()), e))?;
     let Some(namespaces) = spec
         .pointer_mut("/linux/namespaces")
         .and_then(|n| n.as_array_mut())
@@ -85,7 +83,7 @@ pub(super) fn prepare(bundle: &Path) -> Result<Option<MountNs>, String> {
         ns.as_raw_fd()
     ));
     let edited = serde_json::to_vec(&spec).expect("a parsed spec serializes");
-    replace(&config, &edited).map_err(|e| format!("write {}: {e}", config.display()))?;
+    replace(&config, &edited).map_err(|e| Error::io("write", &config, e))?;
     Ok(Some(MountNs {
         _ns: ns,
         config,
@@ -107,22 +105,22 @@ fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// A new mount namespace, a copy of this process's, with the procfs of the PID namespace at
 /// `pid_ns` on /proc.
-fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd, String> {
+fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd> {
     let open_ns = |p: &str| {
         open(p, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
             .map(|fd| {
                 // SAFETY: open just returned this fd; nothing else owns it.
                 unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) }
             })
-            .map_err(|e| format!("open {p}: {e}"))
+            .map_err(|e| Error::sys(format!("open {p}"), e))
     };
     let target = open_ns(pid_ns)?;
     let own = open_ns("/proc/self/ns/pid")?;
-    let pipe = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"));
+    let pipe = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| Error::sys("pipe", e));
     let (ready_r, ready_w) = pipe()?;
     let (hold_r, hold_w) = pipe()?;
     setns(&target, CloneFlags::CLONE_NEWPID)
-        .map_err(|e| format!("join PID namespace {pid_ns}: {e}"))?;
+        .map_err(|e| Error::sys(format!("join PID namespace {pid_ns}"), e))?;
     // SAFETY: the helper is single-threaded (forked from the single-threaded monitor).
     let forked = unsafe { fork() };
     if let Ok(ForkResult::Child) = forked {
@@ -138,20 +136,20 @@ fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd, String> {
         Ok(ForkResult::Parent { child }) => child,
         Ok(ForkResult::Child) => unreachable!("the child never returns"),
         // The kernel answers ENOMEM for a PID namespace whose init has exited.
-        Err(nix::errno::Errno::ENOMEM) => return Err(PID_NS_GONE.to_string()),
-        Err(e) => return Err(format!("fork into PID namespace {pid_ns}: {e}")),
+        Err(nix::errno::Errno::ENOMEM) => return Err(Error::PidNsGone),
+        Err(e) => return Err(Error::sys(format!("fork into PID namespace {pid_ns}"), e)),
     };
     drop(ready_w);
     drop(hold_r);
     let mut report = String::new();
     let _ = std::io::BufReader::new(std::fs::File::from(ready_r)).read_line(&mut report);
     let result = match (restored, report.trim_end()) {
-        (Err(e), _) => Err(format!("return to the monitor's PID namespace: {e}")),
+        (Err(e), _) => Err(Error::sys("return to the monitor's PID namespace", e)),
         (Ok(()), "ok") => open_ns(&format!("/proc/{}/ns/mnt", child.as_raw())),
-        (Ok(()), r) => Err(format!(
+        (Ok(()), r) => Err(Error::Helper(format!(
             "mount the procfs of PID namespace {pid_ns}: {}",
             r.strip_prefix('E').unwrap_or("the mounting process died")
-        )),
+        ))),
     };
     // The namespace is held by `result`'s fd now (or not needed): let the process go.
     drop(hold_w);
@@ -161,8 +159,8 @@ fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd, String> {
 
 /// Runs in the child forked into the joined PID namespace: never returns.
 fn mounter(ready: OwnedFd, hold: OwnedFd) -> ! {
-    let setup = || -> Result<(), String> {
-        unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare mount namespace: {e}"))?;
+    let setup = || -> Result<()> {
+        unshare(CloneFlags::CLONE_NEWNS).map_err(|e| Error::sys("unshare mount namespace", e))?;
         // Only our copy of the /proc mount leaves its peer group, so the procfs mounted on it
         // stays here; the rest of the tree keeps the propagation libcontainer then sets.
         mount(
@@ -172,7 +170,7 @@ fn mounter(ready: OwnedFd, hold: OwnedFd) -> ! {
             MsFlags::MS_PRIVATE,
             None::<&str>,
         )
-        .map_err(|e| format!("make /proc private: {e}"))?;
+        .map_err(|e| Error::sys("make /proc private", e))?;
         mount(
             Some("proc"),
             "/proc",
@@ -180,11 +178,11 @@ fn mounter(ready: OwnedFd, hold: OwnedFd) -> ! {
             MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
             None::<&str>,
         )
-        .map_err(|e| format!("mount proc: {e}"))
+        .map_err(|e| Error::sys("mount proc", e))
     };
     let msg = match setup() {
         Ok(()) => "ok\n".to_string(),
-        Err(e) => format!("E{}\n", e.replace('\n', " ")),
+        Err(e) => format!("E{}\n", e.chain().replace('\n', " ")),
     };
     let _ = std::fs::File::from(ready).write_all(msg.as_bytes());
     // Stay until the helper holds the namespace (it closes the pipe).

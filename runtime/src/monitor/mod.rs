@@ -18,6 +18,7 @@ mod infra;
 mod joined_pid;
 pub mod log;
 mod service;
+mod streams;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -29,6 +30,7 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, Result};
 use crate::logs::LogWriter;
 
 pub use infra::{unpin as unpin_namespaces, NamespaceSet};
@@ -71,6 +73,15 @@ pub(crate) struct Ctr {
     pub waiters: Vec<tokio::sync::oneshot::Sender<()>>,
     /// The daemon's record of the container (KeepRecord), opaque here; empty until kept.
     pub record: Vec<u8>,
+    /// Where attach clients' input goes, for a container created with `stdin`: its stdin
+    /// pipe's write end, or its terminal's master. Held for the container's life so its stdin
+    /// stays open between attaches; `None` once closed (`stdin_once`).
+    pub stdin: Option<std::os::fd::OwnedFd>,
+    pub stdin_once: bool,
+    /// A TTY container's terminal master, for attach clients' resizes.
+    pub console: Option<std::os::fd::OwnedFd>,
+    /// Its live output for attach clients.
+    pub fanout: streams::Fanout,
 }
 
 /// Exits of processes that are not container inits (execs), by pid, for whoever waits.
@@ -243,7 +254,7 @@ pub(crate) fn reap(state: &Shared) {
 
 /// `hako monitor`: sets up the pod and serves until shut down. `ready` receives `ok` once the
 /// socket is up, or the error that stopped the start-up.
-pub fn run(opts: Options, ready: Option<OwnedFd>) -> Result<(), String> {
+pub fn run(opts: Options, ready: Option<OwnedFd>) -> Result<()> {
     use std::io::Write;
     let mut ready = ready.map(std::fs::File::from);
     let result = start(opts);
@@ -251,7 +262,7 @@ pub fn run(opts: Options, ready: Option<OwnedFd>) -> Result<(), String> {
         Ok(x) => x,
         Err(e) => {
             if let Some(r) = ready.as_mut() {
-                let _ = r.write_all(format!("error: {e}\n").as_bytes());
+                let _ = r.write_all(format!("error: {}\n", e.chain()).as_bytes());
             }
             return Err(e);
         }
@@ -261,16 +272,16 @@ pub fn run(opts: Options, ready: Option<OwnedFd>) -> Result<(), String> {
         .enable_all()
         .max_io_events_per_tick(64)
         .build()
-        .map_err(|e| format!("runtime: {e}"))?;
+        .map_err(|e| Error::sys("runtime", e))?;
     rt.block_on(service::serve(state, shutdown_rx, ready))
 }
 
-fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>), String> {
+fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>)> {
     // Orphans of the pod (double-forked daemons, exec children) come back to us.
     nix::sys::prctl::set_child_subreaper(true)
-        .map_err(|e| format!("become child subreaper: {e}"))?;
+        .map_err(|e| Error::sys("become child subreaper", e))?;
     std::fs::create_dir_all(opts.dir.join("containers"))
-        .map_err(|e| format!("create {}: {e}", opts.dir.display()))?;
+        .map_err(|e| Error::io("create", &opts.dir, e))?;
     let (infra_pid, ns_paths) = infra::spawn(&opts)?;
     let (tx, rx) = tokio::sync::oneshot::channel();
     let state = State {

@@ -16,7 +16,7 @@ use tokio::io::AsyncReadExt;
 use prost::Message as _;
 
 use super::wire::{self, Method, Status, EXEC_OUTPUT_CAP};
-use super::{infra, joined_pid, now_nanos, reap, Ctr, Phase, Shared};
+use super::{infra, joined_pid, now_nanos, reap, streams, Ctr, Phase, Shared};
 use crate::logs::{LogWriter, Stream};
 
 #[derive(Clone)]
@@ -24,11 +24,14 @@ struct Svc {
     state: Shared,
 }
 
-fn err(what: impl std::fmt::Display, e: impl std::fmt::Display) -> Status {
+pub(super) fn err(what: impl std::fmt::Display, e: impl std::fmt::Display) -> Status {
     Status::internal(format!("{what}: {e}"))
 }
 
-fn lc_err(what: impl std::fmt::Display, e: libcontainer::error::LibcontainerError) -> Status {
+pub(super) fn lc_err(
+    what: impl std::fmt::Display,
+    e: libcontainer::error::LibcontainerError,
+) -> Status {
     // libcontainer's chain says what failed (missing executable, bad mount…): keep all of it.
     let mut msg = e.to_string();
     let mut src = std::error::Error::source(&e);
@@ -98,7 +101,7 @@ fn now_millis() -> i64 {
     now_nanos() / 1_000_000
 }
 
-fn pipe() -> Result<(OwnedFd, OwnedFd), Status> {
+pub(super) fn pipe() -> Result<(OwnedFd, OwnedFd), Status> {
     nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| err("pipe", e))
 }
 
@@ -150,8 +153,18 @@ impl FdReader {
 }
 
 /// Copies a pipe (or a TTY's master) into the container's log until the writer side closes.
-fn pump(fd: OwnedFd, log: Arc<Mutex<LogWriter>>, stream: Stream) -> Result<(), Status> {
+/// Attach clients get the same bytes, never holding the pump up (see `streams::fan_out`).
+fn pump(
+    fd: OwnedFd,
+    log: Arc<Mutex<LogWriter>>,
+    stream: Stream,
+    fanout: streams::Fanout,
+) -> Result<(), Status> {
     let mut rx = FdReader::new(fd)?;
+    let id = match stream {
+        Stream::Stdout => wire::stream::STDOUT,
+        Stream::Stderr => wire::stream::STDERR,
+    };
     tokio::spawn(async move {
         loop {
             let wrote = rx
@@ -162,6 +175,7 @@ fn pump(fd: OwnedFd, log: Arc<Mutex<LogWriter>>, stream: Stream) -> Result<(), S
                     if let Err(e) = log.lock().expect("log poisoned").write(stream, bytes) {
                         tracing::warn!(error = %e, "write container log");
                     }
+                    streams::fan_out(&fanout, id, bytes);
                 })
                 .await;
             if matches!(wrote, Ok(0) | Err(_)) {
@@ -169,6 +183,7 @@ fn pump(fd: OwnedFd, log: Arc<Mutex<LogWriter>>, stream: Stream) -> Result<(), S
             }
         }
         let _ = log.lock().expect("log poisoned").close_stream(stream);
+        streams::fan_out(&fanout, id, b"");
     });
     Ok(())
 }
@@ -194,16 +209,16 @@ fn collect(fd: OwnedFd) -> Result<tokio::task::JoinHandle<Vec<u8>>, Status> {
 }
 
 /// The socket a TTY container's init sends its pty master on.
-struct ConsoleSocket {
+pub(super) struct ConsoleSocket {
     listener: std::os::unix::net::UnixListener,
     /// Kept open: `path` names the socket through it (see `short_socket_path`).
     _dir: std::fs::File,
-    path: PathBuf,
+    pub(super) path: PathBuf,
     real: PathBuf,
 }
 
 impl ConsoleSocket {
-    fn bind(dir: &std::path::Path) -> Result<Self, Status> {
+    pub(super) fn bind(dir: &std::path::Path) -> Result<Self, Status> {
         std::fs::create_dir_all(dir).map_err(|e| err(format!("create {}", dir.display()), e))?;
         let real = dir.join("console.sock");
         let _ = std::fs::remove_file(&real);
@@ -220,7 +235,7 @@ impl ConsoleSocket {
     }
 
     /// The pty master, once the container's init has sent it (it did before create returned).
-    fn receive(self) -> Result<OwnedFd, Status> {
+    pub(super) fn receive(self) -> Result<OwnedFd, Status> {
         use std::os::fd::{AsRawFd, FromRawFd};
         self.listener
             .set_nonblocking(true)
@@ -273,7 +288,7 @@ static LISTENER_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32:
 /// takes those changes and exits; the new process, its child, is reparented to the monitor,
 /// which is the pod's child subreaper. The monitor is single-threaded, so forking is safe. And
 /// what libcontainer allocates and runs stays out of the long-lived monitor.
-fn in_helper(
+pub(super) fn in_helper(
     state: &Shared,
     f: impl FnOnce() -> Result<nix::unistd::Pid, Status>,
 ) -> Result<nix::unistd::Pid, Status> {
@@ -341,8 +356,8 @@ fn in_helper(
 /// before `execvp`. By then the process holds only the container's capabilities; without
 /// CAP_SYS_ADMIN the kernel accepts a filter only under no_new_privs, which is then set.
 #[derive(Clone)]
-struct ExecUnderSeccomp {
-    seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
+pub(super) struct ExecUnderSeccomp {
+    pub(super) seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
 }
 
 impl libcontainer::workload::Executor for ExecUnderSeccomp {
@@ -380,7 +395,7 @@ impl libcontainer::workload::Executor for ExecUnderSeccomp {
     }
 }
 
-fn devnull() -> Result<std::fs::File, Status> {
+pub(super) fn devnull() -> Result<std::fs::File, Status> {
     std::fs::File::open("/dev/null").map_err(|e| err("open /dev/null", e))
 }
 
@@ -506,7 +521,7 @@ impl Svc {
             return Err(Status::failed_precondition(format!(
                 "container {}: {}",
                 req.id,
-                joined_pid::PID_NS_GONE
+                crate::Error::PidNsGone
             )));
         }
         if self
@@ -531,7 +546,14 @@ impl Svc {
         let bundle_for_helper = bundle.clone();
         let root = self.youki_root();
         let id = req.id.clone();
-        let stdin = devnull()?;
+        // With `stdin` (and no terminal, which carries input itself) a pipe whose write end
+        // the monitor keeps for attach clients.
+        let (stdin, stdin_w) = if req.stdin && !req.tty {
+            let (r, w) = pipe()?;
+            (r, Some(w))
+        } else {
+            (OwnedFd::from(devnull()?), None)
+        };
         // A TTY container's init opens a pty in its own devpts and sends the master back
         // over this socket; its output then all reaches the log as stdout.
         let console = if req.tty {
@@ -545,12 +567,14 @@ impl Svc {
         let pid = in_helper(&self.state, move || {
             // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
             // held until the create returns.
-            let _mount_ns = joined_pid::prepare(&bundle_for_helper).map_err(|e| {
-                if e == joined_pid::PID_NS_GONE {
+            let _mount_ns = joined_pid::prepare(&bundle_for_helper).map_err(|e| match e {
+                crate::Error::PidNsGone => {
                     Status::failed_precondition(format!("container {id}: {e}"))
-                } else {
-                    Status::internal(format!("prepare container {id}'s mount namespace: {e}"))
                 }
+                e => Status::internal(format!(
+                    "prepare container {id}'s mount namespace: {}",
+                    e.chain()
+                )),
             })?;
             let c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_root_path(root)
@@ -570,16 +594,36 @@ impl Svc {
         .map_err(|e| with_hook_report(&hook_bundle, e))?;
         crate::cdi::fix_device_dirs(pid.as_raw(), &bundle);
         tracing::debug!(container = %req.id, ms = started.elapsed().as_secs_f64() * 1e3, "libcontainer create");
+        let fanout = streams::Fanout::default();
+        let (mut stdin_w, mut console_fd) = (stdin_w, None);
         match console {
             Some(console) => {
                 let master = console.receive().inspect_err(|_| {
                     let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
                 })?;
-                pump(master, log.clone(), Stream::Stdout)?;
+                // Copies for attach clients: input (with `stdin`) and resizes.
+                let copy = || {
+                    nix::unistd::dup(std::os::fd::AsRawFd::as_raw_fd(&master))
+                        .and_then(|fd| {
+                            nix::fcntl::fcntl(
+                                fd,
+                                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+                            )
+                            .map(|_| fd)
+                        })
+                        // SAFETY: dup just made this fd for us.
+                        .map(|fd| unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
+                        .map_err(|e| err("dup the container's terminal", e))
+                };
+                console_fd = Some(copy()?);
+                if req.stdin {
+                    stdin_w = Some(copy()?);
+                }
+                pump(master, log.clone(), Stream::Stdout, fanout.clone())?;
             }
             None => {
-                pump(out_r, log.clone(), Stream::Stdout)?;
-                pump(err_r, log.clone(), Stream::Stderr)?;
+                pump(out_r, log.clone(), Stream::Stdout, fanout.clone())?;
+                pump(err_r, log.clone(), Stream::Stderr, fanout.clone())?;
             }
         }
         let mut st = self.state.lock().expect("state");
@@ -594,6 +638,10 @@ impl Svc {
                 log,
                 waiters: Vec::new(),
                 record: Vec::new(),
+                stdin: stdin_w,
+                stdin_once: req.stdin_once,
+                console: console_fd,
+                fanout,
             },
         );
         st.changed();
@@ -927,6 +975,40 @@ impl Svc {
                 return;
             }
         };
+        // Streaming calls keep the connection (see `wire`) and answer it themselves.
+        match wire::method(tag) {
+            Some(Method::Exec) => {
+                match pb::ExecRequest::decode(body.as_slice()) {
+                    Ok(req) => streams::exec(&self.state, req, conn).await,
+                    Err(e) => {
+                        let m = format!("bad request: {e}");
+                        let _ = wire::write_frame(
+                            &mut conn,
+                            wire::code::INVALID_ARGUMENT,
+                            m.as_bytes(),
+                        )
+                        .await;
+                    }
+                }
+                return;
+            }
+            Some(Method::Attach) => {
+                match pb::AttachRequest::decode(body.as_slice()) {
+                    Ok(req) => streams::attach(&self.state, req, conn).await,
+                    Err(e) => {
+                        let m = format!("bad request: {e}");
+                        let _ = wire::write_frame(
+                            &mut conn,
+                            wire::code::INVALID_ARGUMENT,
+                            m.as_bytes(),
+                        )
+                        .await;
+                    }
+                }
+                return;
+            }
+            _ => {}
+        }
         let answer = match wire::method(tag) {
             Some(m) => self.dispatch(m, &body).await,
             None => Err(Status::new(
@@ -959,6 +1041,9 @@ impl Svc {
             Method::Shutdown => self.shutdown(decode(body)?).await?.encode_to_vec(),
             Method::KeepRecord => self.keep_record(decode(body)?).await?.encode_to_vec(),
             Method::Events => self.events(decode(body)?).await?.encode_to_vec(),
+            Method::Exec | Method::Attach => {
+                return Err(Status::internal("streaming calls are answered in `answer`"))
+            }
             Method::Unspecified => {
                 return Err(Status::new(
                     wire::code::UNIMPLEMENTED,
@@ -978,22 +1063,23 @@ pub(crate) async fn serve(
     state: Shared,
     shutdown: tokio::sync::oneshot::Receiver<()>,
     ready: Option<std::fs::File>,
-) -> Result<(), String> {
+) -> crate::Result<()> {
     use std::io::Write;
     use tokio::signal::unix::{signal, SignalKind};
     let sock = state.lock().expect("state").opts.socket();
     let _ = std::fs::remove_file(&sock);
     let (_dir, short) =
-        super::short_socket_path(&sock).map_err(|e| format!("open {}: {e}", sock.display()))?;
-    let listener = tokio::net::UnixListener::bind(&short)
-        .map_err(|e| format!("bind {}: {e}", sock.display()))?;
+        super::short_socket_path(&sock).map_err(|e| crate::Error::io("open", &sock, e))?;
+    let listener =
+        tokio::net::UnixListener::bind(&short).map_err(|e| crate::Error::io("bind", &sock, e))?;
     LISTENER_FD.store(
         std::os::fd::AsRawFd::as_raw_fd(&listener),
         std::sync::atomic::Ordering::Relaxed,
     );
-    let mut sigchld = signal(SignalKind::child()).map_err(|e| format!("SIGCHLD handler: {e}"))?;
+    let mut sigchld =
+        signal(SignalKind::child()).map_err(|e| crate::Error::sys("SIGCHLD handler", e))?;
     let mut sigterm =
-        signal(SignalKind::terminate()).map_err(|e| format!("SIGTERM handler: {e}"))?;
+        signal(SignalKind::terminate()).map_err(|e| crate::Error::sys("SIGTERM handler", e))?;
     let reaper_state = state.clone();
     tokio::spawn(async move {
         // Exits that happened before the handler existed are reaped on the first pass.

@@ -1,0 +1,529 @@
+//! The monitor's streaming calls: Exec (a process in a container, its stdio streamed) and
+//! Attach (a container's own stdio). After the OK answer the call's connection carries the
+//! stream frames of [`wire`]; see there for the framing and the flow control.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hako_proto::monitor as pb;
+use libcontainer::container::builder::ContainerBuilder;
+use libcontainer::syscall::syscall::SyscallType;
+use nix::sys::signal::Signal;
+use nix::sys::wait::WaitStatus;
+use tokio::io::unix::AsyncFd;
+use tokio::io::AsyncRead;
+
+use super::service::{devnull, err, in_helper, lc_err, pipe, ConsoleSocket, ExecUnderSeccomp};
+use super::wire::{self, stream, Status, STREAM_CHUNK};
+use super::{now_nanos, Phase, Shared};
+
+/// Output chunks a slow attach client may fall behind by before it is disconnected (up to
+/// 2 MiB at full chunks): the container and its log never wait for an attach client.
+const ATTACH_BACKLOG: usize = 64;
+
+/// How long output is still forwarded after the process exited: descendants may hold its
+/// pipes open (as ExecSync, which waits 500 ms).
+const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
+
+/// A container's live output, fanned out to its attach clients: `(stream, bytes)`, an empty
+/// chunk being that stream's end. Made by the first attach; idle pods carry no channel.
+pub(crate) type Fanout =
+    Arc<std::sync::Mutex<Option<tokio::sync::broadcast::Sender<(u8, Arc<[u8]>)>>>>;
+
+/// Hands output to the attach clients, if any (never waits: a lagging client loses it and is
+/// disconnected by its own task).
+pub(crate) fn fan_out(f: &Fanout, stream: u8, bytes: &[u8]) {
+    if let Some(tx) = f.lock().expect("fanout").as_ref() {
+        if tx.receiver_count() > 0 {
+            let _ = tx.send((stream, Arc::from(bytes)));
+        }
+    }
+}
+
+/// Registers a non-blocking fd with the runtime for `interest`.
+fn async_fd(fd: OwnedFd, interest: tokio::io::Interest) -> Result<AsyncFd<OwnedFd>, Status> {
+    nix::fcntl::fcntl(
+        fd.as_raw_fd(),
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )
+    .map_err(|e| err("set O_NONBLOCK", e))?;
+    // SAFETY: an OwnedFd is valid and stays the same fd until the AsyncFd drops it.
+    unsafe { AsyncFd::register_with_interest(fd, interest) }
+        .map_err(|e| err("register fd", e.into_parts().1))
+}
+
+/// A close-on-exec copy of `fd`: the same pipe or terminal, registered on its own.
+fn dup(fd: &OwnedFd) -> Result<OwnedFd, Status> {
+    let raw = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(3))
+        .map_err(|e| err("dup", e))?;
+    // SAFETY: fcntl just made this fd for us.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(raw) })
+}
+
+/// Reads once; 0 at end of file (a pty master's EIO, once the last slave closed, included).
+/// Cancel-safe: nothing is read until the fd is ready and then the read completes at once.
+async fn read_fd(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        let mut guard = fd.readable().await?;
+        match guard.try_io(|fd| {
+            nix::unistd::read(fd.get_ref().as_raw_fd(), buf).map_err(std::io::Error::from)
+        }) {
+            Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => return Ok(0),
+            Ok(r) => return r,
+            Err(_would_block) => continue,
+        }
+    }
+}
+
+/// Writes all of `bytes`, waiting while the pipe or terminal is full (backpressure to the
+/// client, whose frames are not read meanwhile).
+async fn write_fd(fd: &AsyncFd<OwnedFd>, mut bytes: &[u8]) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let mut guard = fd.writable().await?;
+        match guard.try_io(|fd| nix::unistd::write(fd.get_ref(), bytes).map_err(Into::into)) {
+            Ok(Ok(n)) => bytes = &bytes[n..],
+            Ok(Err(e)) => return Err(e),
+            Err(_would_block) => continue,
+        }
+    }
+    Ok(())
+}
+
+fn set_size(console: &OwnedFd, body: &[u8]) {
+    if let Some((width, height)) = wire::parse_resize(body) {
+        let ws = libc::winsize {
+            ws_row: height,
+            ws_col: width,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        // SAFETY: TIOCSWINSZ reads one winsize from the pointer, which outlives the call.
+        unsafe { libc::ioctl(console.as_raw_fd(), libc::TIOCSWINSZ, &ws) };
+    }
+}
+
+/// Why a streaming call's frames from the daemon stopped: the daemon went (closed the
+/// connection, or sent garbage).
+async fn client_frames<R: AsyncRead + Unpin>(
+    r: &mut R,
+    mut stdin: Option<AsyncFd<OwnedFd>>,
+    console: Option<&OwnedFd>,
+    mut on_stdin_end: impl FnMut(),
+) {
+    let mut buf = Vec::with_capacity(STREAM_CHUNK);
+    loop {
+        let Ok(s) = wire::read_stream(r, &mut buf).await else {
+            if stdin.take().is_some() {
+                on_stdin_end();
+            }
+            return;
+        };
+        match s {
+            stream::STDIN if buf.is_empty() && stdin.is_some() => {
+                stdin = None;
+                on_stdin_end();
+            }
+            stream::STDIN if buf.is_empty() => {}
+            stream::STDIN => {
+                if let Some(fd) = &stdin {
+                    // The process closed its stdin: later input has nowhere to go.
+                    if write_fd(fd, &buf).await.is_err() {
+                        stdin = None;
+                        on_stdin_end();
+                    }
+                }
+            }
+            stream::RESIZE => {
+                if let Some(c) = console {
+                    set_size(c, &buf);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+fn exit_code(ws: WaitStatus) -> i32 {
+    match ws {
+        WaitStatus::Exited(_, c) => c,
+        WaitStatus::Signaled(_, s, _) => 128 + s as i32,
+        _ => -1,
+    }
+}
+
+/// Answers `Exec`: starts the process, answers OK, streams until it exited and its output
+/// ended (then the exit frame), or until the daemon closed the connection (then the process
+/// is killed with SIGKILL; in a terminal its session also gets the hangup of the terminal
+/// closing). Every fd of the call is closed when it returns.
+pub(crate) async fn exec(state: &Shared, req: pb::ExecRequest, mut conn: tokio::net::UnixStream) {
+    let call = match start_exec(state, &req).await {
+        Ok(c) => c,
+        Err(s) => {
+            let _ = wire::write_frame(&mut conn, s.code(), s.message().as_bytes()).await;
+            return;
+        }
+    };
+    let Started {
+        pid,
+        mut exited,
+        stdin,
+        stdout,
+        stderr,
+        console,
+        console_dir,
+    } = call;
+    // The process's exit code, once reaped.
+    let mut code = None;
+    if wire::write_frame(&mut conn, wire::code::OK, b"")
+        .await
+        .is_ok()
+    {
+        let (mut rd, mut wr) = conn.split();
+        let outputs = async {
+            let mut ended = [stdout.is_none(), stderr.is_none()];
+            let mut bufs = (vec![0u8; STREAM_CHUNK], vec![0u8; STREAM_CHUNK]);
+            let code = &mut code;
+            let mut drain_until = None;
+            loop {
+                if ended == [true, true] && code.is_some() {
+                    break;
+                }
+                let drained = async {
+                    match drain_until {
+                        Some(t) => tokio::time::sleep_until(t).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    n = async { read_fd(stdout.as_ref().expect("open"), &mut bufs.0).await }, if !ended[0] => {
+                        let n = n.unwrap_or(0);
+                        ended[0] = n == 0;
+                        wire::write_stream(&mut wr, stream::STDOUT, &bufs.0[..n]).await?;
+                    }
+                    n = async { read_fd(stderr.as_ref().expect("open"), &mut bufs.1).await }, if !ended[1] => {
+                        let n = n.unwrap_or(0);
+                        ended[1] = n == 0;
+                        wire::write_stream(&mut wr, stream::STDERR, &bufs.1[..n]).await?;
+                    }
+                    ws = &mut exited, if code.is_none() => {
+                        *code = Some(ws.map(exit_code).unwrap_or(-1));
+                        drain_until = Some(tokio::time::Instant::now() + DRAIN_AFTER_EXIT);
+                    }
+                    _ = drained => break,
+                }
+            }
+            // Streams still held open by descendants end here.
+            if !ended[0] {
+                wire::write_stream(&mut wr, stream::STDOUT, b"").await?;
+            }
+            if !ended[1] {
+                wire::write_stream(&mut wr, stream::STDERR, b"").await?;
+            }
+            let c = code.expect("exited");
+            wire::write_stream(&mut wr, stream::EXIT, &c.to_be_bytes()).await?;
+            Ok::<_, std::io::Error>(())
+        };
+        let inputs = client_frames(&mut rd, stdin, console.as_ref(), || {});
+        tokio::select! {
+            _ = outputs => {}
+            _ = inputs => {}
+        }
+    }
+    // The client gone first: the process must not outlive the call. Its exit is awaited so
+    // the reaper's record of it goes too. (Once reaped, its pid is not ours to signal.)
+    if code.is_none() {
+        let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+        if tokio::time::timeout(Duration::from_secs(10), exited)
+            .await
+            .is_err()
+        {
+            state
+                .lock()
+                .expect("state")
+                .reaped
+                .waiting
+                .remove(&pid.as_raw());
+        }
+    }
+    drop(console);
+    if let Some(d) = console_dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+struct Started {
+    pid: nix::unistd::Pid,
+    exited: tokio::sync::oneshot::Receiver<WaitStatus>,
+    stdin: Option<AsyncFd<OwnedFd>>,
+    stdout: Option<AsyncFd<OwnedFd>>,
+    stderr: Option<AsyncFd<OwnedFd>>,
+    /// The terminal's master (a TTY exec), for resizes.
+    console: Option<OwnedFd>,
+    console_dir: Option<std::path::PathBuf>,
+}
+
+async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, Status> {
+    let (bundle, cdir, root, phase) = {
+        let st = state.lock().expect("state");
+        let c = st.containers.get(&req.id).ok_or_else(|| {
+            Status::not_found(format!("container {} not found in pod monitor", req.id))
+        })?;
+        (
+            c.bundle.clone(),
+            st.opts.container_dir(&req.id),
+            st.opts.youki_root(),
+            c.phase,
+        )
+    };
+    if phase != Phase::Running {
+        return Err(Status::failed_precondition(format!(
+            "container {} is not running",
+            req.id
+        )));
+    }
+    if req.cmd.is_empty() {
+        return Err(Status::invalid_argument("exec command is empty"));
+    }
+    // The container's own process (user, env, cwd, capabilities, no_new_privs) with another
+    // command, as ExecSync.
+    let spec: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(bundle.join("config.json")).map_err(|e| err("read config.json", e))?,
+    )
+    .map_err(|e| err("parse config.json", e))?;
+    let mut process = spec["process"].clone();
+    process["args"] = serde_json::json!(req.cmd);
+    process["terminal"] = serde_json::json!(req.tty);
+    let seccomp =
+        serde_json::from_value::<oci_spec::runtime::LinuxSeccomp>(spec["linux"]["seccomp"].clone())
+            .ok();
+    std::fs::create_dir_all(&cdir).map_err(|e| err("create container dir", e))?;
+    let nanos = now_nanos();
+    let pfile = cdir.join(format!("exec-{nanos}.json"));
+    std::fs::write(&pfile, serde_json::to_vec(&process).expect("json"))
+        .map_err(|e| err("write exec process", e))?;
+    // A terminal's init sends its master over a socket of this exec's own (execs run at once).
+    let console_dir = cdir.join(format!("exec-{nanos}"));
+    let console = if req.tty {
+        Some(ConsoleSocket::bind(&console_dir)?)
+    } else {
+        None
+    };
+    let console_path = console.as_ref().map(|c| c.path.clone());
+    // Without a terminal: a pipe for each stream asked for, /dev/null for the others.
+    let wanted = |on: bool| -> Result<Option<(OwnedFd, OwnedFd)>, Status> {
+        if on && !req.tty {
+            pipe().map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let (i, o, e) = (wanted(req.stdin)?, wanted(req.stdout)?, wanted(req.stderr)?);
+    let null = || devnull().map(OwnedFd::from);
+    let (child_in, parent_in) = match i {
+        Some((r, w)) => (r, Some(w)),
+        None => (null()?, None),
+    };
+    let (parent_out, child_out) = match o {
+        Some((r, w)) => (Some(r), w),
+        None => (None, null()?),
+    };
+    let (parent_err, child_err) = match e {
+        Some((r, w)) => (Some(r), w),
+        None => (None, null()?),
+    };
+    let id = req.id.clone();
+    let process_file = pfile.clone();
+    let built = in_helper(state, move || {
+        ContainerBuilder::new(id.clone(), SyscallType::default())
+            .with_executor(ExecUnderSeccomp { seccomp })
+            .with_root_path(root)
+            .map_err(|e| lc_err("state root", e))?
+            .with_console_socket(console_path)
+            .with_stdin(child_in)
+            .with_stdout(child_out)
+            .with_stderr(child_err)
+            .as_tenant()
+            .with_process(Some(&process_file))
+            .with_detach(true)
+            .build()
+            .map_err(|e| lc_err(format!("exec in container {id}"), e))
+    });
+    let _ = std::fs::remove_file(&pfile);
+    let pid = match built {
+        Ok(p) => p,
+        Err(e) => {
+            drop(console);
+            let _ = std::fs::remove_dir_all(&console_dir);
+            return Err(e);
+        }
+    };
+    // Registered before the next await: the reaper cannot run in between.
+    let exited = {
+        let mut st = state.lock().expect("state");
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        match st.reaped.unclaimed.remove(&pid.as_raw()) {
+            Some(ws) => {
+                let _ = tx.send(ws);
+            }
+            None => {
+                st.reaped.waiting.insert(pid.as_raw(), tx);
+            }
+        }
+        rx
+    };
+    let fds = (|| {
+        use tokio::io::Interest;
+        let mut s = Started {
+            pid,
+            exited,
+            stdin: parent_in
+                .map(|f| async_fd(f, Interest::WRITABLE))
+                .transpose()?,
+            stdout: parent_out
+                .map(|f| async_fd(f, Interest::READABLE))
+                .transpose()?,
+            stderr: parent_err
+                .map(|f| async_fd(f, Interest::READABLE))
+                .transpose()?,
+            console: None,
+            console_dir: req.tty.then(|| console_dir.clone()),
+        };
+        if let Some(c) = console {
+            let master = c.receive()?;
+            // One copy read (output), one written (input), one for resizes.
+            if req.stdout {
+                s.stdout = Some(async_fd(dup(&master)?, Interest::READABLE)?);
+            }
+            if req.stdin {
+                s.stdin = Some(async_fd(dup(&master)?, Interest::WRITABLE)?);
+            }
+            s.console = Some(master);
+        }
+        Ok::<_, Status>(s)
+    })();
+    match fds {
+        Ok(s) => Ok(s),
+        Err(e) => {
+            let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+            let _ = std::fs::remove_dir_all(&console_dir);
+            Err(e)
+        }
+    }
+}
+
+/// Answers `Attach`: the container's output from now on (until it ends, or the client falls
+/// [`ATTACH_BACKLOG`] chunks behind: then it is disconnected), its stdin when it was created
+/// with stdin, its terminal's size; the exit frame once it exited. The daemon closing the
+/// connection detaches; the container runs on.
+pub(crate) async fn attach(
+    state: &Shared,
+    req: pb::AttachRequest,
+    mut conn: tokio::net::UnixStream,
+) {
+    let joined = (|| {
+        let mut st = state.lock().expect("state");
+        let c = st.containers.get_mut(&req.id).ok_or_else(|| {
+            Status::not_found(format!("container {} not found in pod monitor", req.id))
+        })?;
+        if c.phase != Phase::Running {
+            return Err(Status::failed_precondition(format!(
+                "container {} is not running",
+                req.id
+            )));
+        }
+        let rx = c
+            .fanout
+            .lock()
+            .expect("fanout")
+            .get_or_insert_with(|| tokio::sync::broadcast::channel(ATTACH_BACKLOG).0)
+            .subscribe();
+        let (tx, exited) = tokio::sync::oneshot::channel();
+        c.waiters.push(tx);
+        // Input goes to the container's stdin only when it was created with one.
+        let stdin = match (&c.stdin, req.stdin) {
+            (Some(fd), true) => Some(async_fd(dup(fd)?, tokio::io::Interest::WRITABLE)?),
+            _ => None,
+        };
+        let console = c.console.as_ref().map(dup).transpose()?;
+        Ok((rx, exited, stdin, console, c.stdin_once))
+    })();
+    let (mut rx, exited, stdin, console, stdin_once) = match joined {
+        Ok(j) => j,
+        Err(s) => {
+            let _ = wire::write_frame(&mut conn, s.code(), s.message().as_bytes()).await;
+            return;
+        }
+    };
+    if wire::write_frame(&mut conn, wire::code::OK, b"")
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let (mut rd, mut wr) = conn.split();
+    let id = req.id.clone();
+    let outputs = async {
+        use tokio::sync::broadcast::error::RecvError;
+        let mut open = [req.stdout, req.stderr && console.is_none()];
+        let mut exited = std::pin::pin!(exited);
+        let mut drain_until = None;
+        loop {
+            let drained = async {
+                match drain_until {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                chunk = rx.recv(), if open != [false, false] => match chunk {
+                    Ok((s, bytes)) => {
+                        let i = usize::from(s == stream::STDERR);
+                        if open[i] {
+                            open[i] = !bytes.is_empty();
+                            wire::write_stream(&mut wr, s, &bytes).await?;
+                        }
+                    }
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::info!(container = %id, chunks = n, "attach client too slow; disconnected");
+                        return Ok(());
+                    }
+                    Err(RecvError::Closed) => open = [false, false],
+                },
+                _ = &mut exited, if drain_until.is_none() => {
+                    drain_until = Some(tokio::time::Instant::now() + DRAIN_AFTER_EXIT);
+                }
+                _ = drained => break,
+            }
+            if open == [false, false] && drain_until.is_some() {
+                break;
+            }
+        }
+        for (i, s) in [stream::STDOUT, stream::STDERR].into_iter().enumerate() {
+            if open[i] {
+                wire::write_stream(&mut wr, s, b"").await?;
+            }
+        }
+        let code = state
+            .lock()
+            .expect("state")
+            .containers
+            .get(&id)
+            .and_then(|c| c.exit)
+            .map_or(-1, |e| e.code);
+        wire::write_stream(&mut wr, stream::EXIT, &code.to_be_bytes()).await
+    };
+    // CRI's stdin_once: the container's stdin closes when the first attach's stdin does.
+    let close_stdin = || {
+        if stdin_once {
+            if let Some(c) = state.lock().expect("state").containers.get_mut(&req.id) {
+                c.stdin = None;
+            }
+        }
+    };
+    let inputs = client_frames(&mut rd, stdin, console.as_ref(), close_stdin);
+    tokio::select! {
+        _ = outputs => {}
+        _ = inputs => {}
+    }
+}
