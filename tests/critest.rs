@@ -665,19 +665,13 @@ fn tail(text: &str, lines: usize) -> String {
 // ---------------------------------------------------------------------------------------------
 // The run
 
-#[tokio::test(flavor = "multi_thread")]
-async fn critest_accounts_for_every_spec() {
-    let focus = focus_setting(
-        std::env::var("HAKO_CRITEST_FOCUS").ok(),
-        std::env::var("CI").ok(),
-        support::required(),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    // The lists are read and checked first: a broken table fails before a long run.
-    let (must_pass, rows) = load_lists();
-    if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "critest"]) || !cni::ready() {
-        return;
-    }
+/// Starts a registry with the stand-ins, a pod network and a hako, runs critest against it
+/// (with `focus` and `extra` arguments) and reads its report. Logs go to target/`name`*.
+async fn run_critest(
+    focus: Option<&str>,
+    extra: &[&str],
+    name: &str,
+) -> (Exit, Report, String, PathBuf) {
     let reg = Registry::start();
     let pushed = standins::push_all(&Pusher::new(&reg.addr)).await;
     eprintln!("pushed {} stand-in images to {}", pushed.len(), reg.addr);
@@ -691,7 +685,7 @@ async fn critest_accounts_for_every_spec() {
     // Kept in target/ for reading after the run (the daemon's temp dir goes with it).
     let target = repo_path("target");
     std::fs::create_dir_all(&target).unwrap();
-    let log_path = target.join("critest.log");
+    let log_path = target.join(format!("{name}.log"));
     let log = std::fs::File::create(&log_path).unwrap();
     let mut cmd = tokio::process::Command::new(support::which("critest").unwrap());
     cmd.arg(format!("-runtime-endpoint={}", h.endpoint()))
@@ -703,11 +697,12 @@ async fn critest_accounts_for_every_spec() {
             "-runtime-service-timeout=60s",
             "-image-service-timeout=120s",
         ])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap())
         .stderr(log)
         .kill_on_drop(true);
-    if let Some(f) = &focus {
+    if let Some(f) = focus {
         cmd.arg(format!("-ginkgo.focus={f}"));
     }
     let mut child = cmd.spawn().expect("run critest");
@@ -725,8 +720,8 @@ async fn critest_accounts_for_every_spec() {
             Exit::TimedOut
         }
     };
-    let _ = std::fs::copy(&h.log, target.join("critest-hako.log"));
-    let _ = std::fs::copy(&report_path, target.join("critest-junit.xml"));
+    let _ = std::fs::copy(&h.log, target.join(format!("{name}-hako.log")));
+    let _ = std::fs::copy(&report_path, target.join(format!("{name}-junit.xml")));
     let output = std::fs::read_to_string(&log_path).unwrap_or_default();
     let xml = std::fs::read_to_string(&report_path).unwrap_or_else(|e| {
         panic!(
@@ -742,12 +737,73 @@ async fn critest_accounts_for_every_spec() {
             tail(&output, 80)
         )
     });
+    (exit, report, output, log_path)
+}
 
+/// The streaming specs again, with critest's clients on WebSocket (exec and attach on
+/// `v5.channel.k8s.io`, port-forward as SPDY tunnelled in WebSocket) instead of SPDY: kubelet
+/// and crictl speak both. Every streaming spec on must-pass.txt must pass this way too. Run
+/// after the full suite, in the same test, so two critest runs never share the machine.
+async fn websocket_streaming_problems(must_pass: &[String]) -> Vec<String> {
+    let streaming: Vec<&String> = must_pass
+        .iter()
+        .filter(|n| n.starts_with("[k8s.io] Streaming "))
+        .collect();
+    if streaming.is_empty() {
+        return vec![format!("no streaming spec on {MUST_PASS}")];
+    }
+    let (exit, report, output, log_path) = run_critest(
+        Some("Streaming"),
+        &[
+            "-websocket-exec",
+            "-websocket-attach",
+            "-websocket-portforward",
+        ],
+        "critest-websocket",
+    )
+    .await;
+    let mut problems: Vec<String> = streaming
+        .iter()
+        .filter_map(
+            |name| match report.specs.iter().find(|c| &&c.name == name) {
+                Some(c) if c.status == "passed" => None,
+                Some(c) => Some(format!("over WebSocket, {}: {name}", c.status)),
+                None => Some(format!("over WebSocket, not in the report: {name}")),
+            },
+        )
+        .collect();
+    if exit != Exit::Code(0) {
+        problems.push(format!(
+            "critest over WebSocket ended {exit:?} (see {}); last lines:\n{}",
+            log_path.display(),
+            tail(&output, 40)
+        ));
+    }
+    problems
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn critest_accounts_for_every_spec() {
+    let focus = focus_setting(
+        std::env::var("HAKO_CRITEST_FOCUS").ok(),
+        std::env::var("CI").ok(),
+        support::required(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    // The lists are read and checked first: a broken table fails before a long run.
+    let (must_pass, rows) = load_lists();
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "critest"]) || !cni::ready() {
+        return;
+    }
+    let (exit, report, output, log_path) = run_critest(focus.as_deref(), &[], "critest").await;
     let mut problems = account(&report, exit, &must_pass, &rows, focus.is_some());
     problems.extend(history_check(&must_pass, &rows));
+    if focus.is_none() {
+        problems.extend(websocket_streaming_problems(&must_pass).await);
+    }
     let summary = summary(&report, exit, &must_pass, &rows, &problems);
     eprintln!("{summary}");
-    std::fs::write(target.join("critest-summary.txt"), &summary).unwrap();
+    std::fs::write(repo_path("target").join("critest-summary.txt"), &summary).unwrap();
     if !problems.is_empty() {
         panic!(
             "critest: {} specs not accounted for (see target/critest-summary.txt):\n  {}\n--- critest output (last lines) ---\n{}",

@@ -52,6 +52,9 @@ const PATH_ENV: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/
 /// Registries critest names, each mirrored to the local registry.
 pub const MIRRORED: &[&str] = &[
     "registry.k8s.io",
+    // Its predecessor: critest v1.36 pulls pause:3.9 from both to check one image gets both
+    // tags.
+    "k8s.gcr.io",
     "gcr.io",
     "docker.io",
     "public.ecr.aws",
