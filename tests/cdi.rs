@@ -821,3 +821,108 @@ async fn failing_cdi_hooks_are_named_in_create_and_start_errors() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// Pids of processes with `arg` among their arguments (after the program).
+fn procs_with_arg(arg: &str) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        if cmdline
+            .split(|b| *b == 0)
+            .skip(1)
+            .any(|a| a == arg.as_bytes())
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Waits (10 s at most) until no process has `arg` among its arguments; kills what is left
+/// and fails the test if one stays.
+async fn wait_none_with_arg(arg: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let left = procs_with_arg(arg);
+        if left.is_empty() {
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            for pid in &left {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            panic!("processes with argument {arg} still run: {left:?}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// A CDI hook runs in its own process group: what it leaves running is killed when it exits,
+/// and at its timeout the hook and all it started are killed, the create failing with the
+/// hook named and "timed out".
+#[tokio::test(flavor = "multi_thread")]
+async fn cdi_hooks_leave_no_processes_behind_and_meet_their_timeout() {
+    let Some(cdi) = Cdi::new() else {
+        return;
+    };
+    let text = r#"cdiVersion: 0.6.0
+kind: hako.test/pgroup
+devices:
+  - name: forks
+    containerEdits:
+      hooks:
+        - hookName: createContainer
+          path: /bin/sh
+          args: [sh, -c, "sleep 100123 & exit 0"]
+  - name: hangs
+    containerEdits:
+      hooks:
+        - hookName: createContainer
+          path: /bin/sh
+          args: [sh, -c, "sleep 100124 & sleep 100125; true"]
+          timeout: 1
+"#;
+    cdi.write("etc", "pgroup.yaml", text);
+    let spec_file = cdi.path("etc/pgroup.yaml");
+    let Some((_reg, h)) = setup(&cdi).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("cdi-pgroup", &logs.path().join("p"));
+    let pod = run_pod(&mut rt, &cfg).await;
+    let cc = |name: &str, dev: &str| {
+        with_cdi(
+            container_config(name, &["sleep", "60"]),
+            &[&format!("hako.test/pgroup={dev}")],
+        )
+    };
+
+    // The hook exited 0 leaving a background child: the create succeeds, the child is gone.
+    create(&mut rt, &pod, &cfg, cc("a", "forks")).await.unwrap();
+    wait_none_with_arg("100123").await;
+
+    // The hook outlives its timeout: the create fails naming it, and nothing of it remains.
+    let e = create(&mut rt, &pod, &cfg, cc("b", "hangs"))
+        .await
+        .unwrap_err();
+    assert!(
+        e.message().contains(&format!(
+            "createContainer hook /bin/sh of CDI device hako.test/pgroup=hangs (spec {spec_file}) timed out after 1 s"
+        )),
+        "{e:?}"
+    );
+    wait_none_with_arg("100124").await;
+    wait_none_with_arg("100125").await;
+
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

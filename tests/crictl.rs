@@ -5,6 +5,7 @@ mod support;
 
 use std::process::Command;
 
+use support::cni::TestNet;
 use support::hako::Hako;
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
 use support::registry::Registry;
@@ -359,4 +360,513 @@ async fn crictl_create_with_cdi_devices_and_annotations() {
     );
     c.ok(&["stopp", &pod]);
     c.ok(&["rmp", &pod]);
+}
+
+/// A crictl (or `script` around one) running in the background, its output collected as it comes.
+struct Bg {
+    child: std::process::Child,
+    out: std::sync::Arc<std::sync::Mutex<String>>,
+    err: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Bg {
+    fn spawn(cmd: &mut Command) -> Bg {
+        use std::process::Stdio;
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let collect = |mut r: Box<dyn std::io::Read + Send>| {
+            let buf = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+            let b = buf.clone();
+            std::thread::spawn(move || {
+                let mut chunk = [0u8; 4096];
+                while let Ok(n @ 1..) = r.read(&mut chunk) {
+                    b.lock()
+                        .unwrap()
+                        .push_str(&String::from_utf8_lossy(&chunk[..n]));
+                }
+            });
+            buf
+        };
+        let out = collect(Box::new(child.stdout.take().unwrap()));
+        let err = collect(Box::new(child.stderr.take().unwrap()));
+        Bg { child, out, err }
+    }
+
+    fn write(&mut self, s: &str) {
+        use std::io::Write;
+        let stdin = self.child.stdin.as_mut().unwrap();
+        stdin.write_all(s.as_bytes()).unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn out(&self) -> String {
+        self.out.lock().unwrap().clone()
+    }
+
+    fn err(&self) -> String {
+        self.err.lock().unwrap().clone()
+    }
+
+    async fn wait_out(&self, what: &str, needle: &str) {
+        let secs = std::time::Duration::from_secs(30);
+        let mut last = (String::new(), String::new());
+        let found = tokio::time::timeout(secs, async {
+            loop {
+                last = (self.out(), self.err());
+                if last.0.contains(needle) {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(
+            found.is_ok(),
+            "timed out waiting for {what} ({needle:?}): stdout {:?}, stderr {:?}",
+            last.0,
+            last.1
+        );
+    }
+
+    /// The exit status, waiting for it with a deadline.
+    async fn exit(&mut self, what: &str) -> std::process::ExitStatus {
+        let mut status = None;
+        support::wait_for(what, std::time::Duration::from_secs(60), || {
+            status = self.child.try_wait().unwrap();
+            status.is_some()
+        })
+        .await;
+        status.unwrap()
+    }
+
+    fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Crictl<'_> {
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(["--runtime-endpoint", &self.hako.endpoint()])
+            .args(args);
+        cmd
+    }
+
+    fn line(&self, args: &[&str]) -> String {
+        format!(
+            "{} --runtime-endpoint {} {}",
+            self.bin.display(),
+            self.hako.endpoint(),
+            args.join(" ")
+        )
+    }
+}
+
+/// Pids of the processes whose command line (arguments joined by spaces) starts with `prefix`.
+fn procs_starting(prefix: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                String::from_utf8_lossy(&c)
+                    .trim_end_matches('\0')
+                    .replace('\0', " ")
+                    .starts_with(prefix)
+            })
+        })
+        .collect()
+}
+
+/// The pod monitor of `pod`: the `monitor` process whose options name the pod.
+fn monitor_of(pod: &str) -> u32 {
+    let found: Vec<u32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let c = String::from_utf8_lossy(&c);
+                let args: Vec<&str> = c.split('\0').collect();
+                args.get(1) == Some(&"monitor") && c.contains(pod)
+            })
+        })
+        .collect();
+    // The monitor's forked helpers keep its command line: the monitor is the one whose parent
+    // is not one of them.
+    let ppid = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| {
+                s.rsplit(')')
+                    .next()?
+                    .split_whitespace()
+                    .nth(1)?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0u32)
+    };
+    let top: Vec<u32> = found
+        .iter()
+        .copied()
+        .filter(|p| !found.contains(&ppid(*p)))
+        .collect();
+    assert_eq!(top.len(), 1, "one monitor for pod {pod}: {found:?}");
+    top[0]
+}
+
+/// `s` without terminal colour escapes (the daemon's log has them).
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::new();
+    let mut esc = false;
+    for ch in s.chars() {
+        match (esc, ch) {
+            (false, '\x1b') => esc = true,
+            (true, 'm') => esc = false,
+            (true, _) => {}
+            (false, c) => out.push(c),
+        }
+    }
+    out
+}
+
+fn fd_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// Waits until the daemon's and the monitor's fd counts are back to `before`; failing, it lists
+/// the fds they hold.
+async fn fds_back(what: &str, pids: &[u32], before: &[usize]) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let now: Vec<usize> = pids.iter().map(|p| fd_count(*p)).collect();
+        // At most the baseline: it may hold a connection of the previous crictl still closing.
+        if now.iter().zip(before).all(|(n, b)| n <= b) {
+            return;
+        }
+        if std::time::Instant::now() > deadline {
+            let held: Vec<String> = pids
+                .iter()
+                .flat_map(|p| {
+                    std::fs::read_dir(format!("/proc/{p}/fd"))
+                        .unwrap()
+                        .flatten()
+                        .map(move |e| {
+                            let to = std::fs::read_link(e.path()).unwrap_or_default();
+                            format!(
+                                "{p}: {} -> {}",
+                                e.file_name().to_string_lossy(),
+                                to.display()
+                            )
+                        })
+                })
+                .collect();
+            panic!(
+                "the daemon's and monitor's fds {pids:?} not back to {before:?} after {what} \
+                 within 30s: now {now:?}; held: {held:#?}"
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// A pod on the CNI test network with a shell container, a ticker, a `cat` with stdin open and
+/// a busybox httpd; everything crictl's streaming commands need.
+struct StreamPod<'a> {
+    c: Crictl<'a>,
+    pod: String,
+    shell: String,
+    ticker: String,
+    cat: String,
+    pids: Vec<u32>,
+    _dir: tempfile::TempDir,
+}
+
+impl<'a> StreamPod<'a> {
+    async fn start(h: &'a Hako, image: &str) -> StreamPod<'a> {
+        let c = Crictl {
+            bin: support::which("crictl").unwrap(),
+            hako: h,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let pod_json = dir.path().join("pod.json");
+        std::fs::write(
+            &pod_json,
+            serde_json::json!({
+                "metadata": {"name": "stream-pod", "namespace": "default", "uid": "stream-uid"},
+                "log_directory": dir.path().join("logs"),
+                "linux": {}
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let pod = c
+            .ok(&["runp", pod_json.to_str().unwrap()])
+            .trim()
+            .to_string();
+        let mut ids = Vec::new();
+        for (name, command, stdin) in [
+            ("shell", "exec sleep 100000", false),
+            (
+                "ticker",
+                "i=0; while true; do echo tick-$i; i=$((i+1)); sleep 0.2; done",
+                false,
+            ),
+            ("cat", "exec cat", true),
+            (
+                "web",
+                "mkdir -p /www && echo served-by-httpd > /www/index.html && exec httpd -f -p 8080 -h /www",
+                false,
+            ),
+        ] {
+            let ctr_json = dir.path().join(format!("{name}.json"));
+            std::fs::write(
+                &ctr_json,
+                serde_json::json!({
+                    "metadata": {"name": name},
+                    "image": {"image": image},
+                    "command": ["sh", "-c", command],
+                    "stdin": stdin,
+                    "log_path": format!("{name}.log"),
+                    "linux": {}
+                })
+                .to_string(),
+            )
+            .unwrap();
+            let id = c
+                .ok(&[
+                    "create",
+                    &pod,
+                    ctr_json.to_str().unwrap(),
+                    pod_json.to_str().unwrap(),
+                ])
+                .trim()
+                .to_string();
+            c.ok(&["start", &id]);
+            ids.push(id);
+        }
+        // httpd listens once a request through an exec answers.
+        support::wait_for(
+            "httpd to answer in the pod",
+            std::time::Duration::from_secs(30),
+            || {
+                c.run(&[
+                    "exec",
+                    &ids[3],
+                    "wget",
+                    "-q",
+                    "-O",
+                    "-",
+                    "http://127.0.0.1:8080/",
+                ])
+                .1
+                .contains("served-by-httpd")
+            },
+        )
+        .await;
+        let pids = vec![h.pid() as u32, monitor_of(&pod)];
+        StreamPod {
+            c,
+            pod,
+            shell: ids[0].clone(),
+            ticker: ids[1].clone(),
+            cat: ids[2].clone(),
+            pids,
+            _dir: dir,
+        }
+    }
+
+    fn fds(&self) -> Vec<usize> {
+        self.pids.iter().map(|p| fd_count(*p)).collect()
+    }
+}
+
+async fn streaming_hako(net: &TestNet) -> Option<(Registry, Hako, String)> {
+    if !support::cni::ready() || !support::e2e_ready(&["script"]) {
+        return None;
+    }
+    busybox_and_hako(&net.hako_config(30)).await
+}
+
+/// crictl exec (TTY and not), attach and port-forward over SPDY and WebSocket against real
+/// containers, and crictl killed mid-stream: no process or fd left behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn crictl_exec_attach_port_forward() {
+    let net = TestNet::new();
+    let Some((_reg, h, image)) = streaming_hako(&net).await else {
+        return;
+    };
+    let p = StreamPod::start(&h, &image).await;
+    let c = &p.c;
+    let before = p.fds();
+
+    for transport in ["spdy", "websocket"] {
+        // exec -it: a shell on a TTY whose size is the outer terminal's (script's pty, sized
+        // before crictl starts); its exit code is crictl's.
+        let inner = c.line(&["exec", "-r", transport, "-it", &p.shell, "sh"]);
+        let mut tty = Bg::spawn(Command::new("script").args([
+            "-qfec",
+            &format!("stty rows 40 cols 120; exec {inner}"),
+            "/dev/null",
+        ]));
+        tty.write("echo hi-$((6*7))\n");
+        tty.wait_out("the shell's answer", "hi-42").await;
+        tty.write("stty size\n");
+        tty.wait_out("the TTY size", "40 120").await;
+        tty.write("exit 3\n");
+        // crictl exits 1 on a streamed exec's non-zero exit, naming the code the server sent
+        // in the v4 status (client-go's message).
+        let st = tty.exit("crictl exec -it to exit").await;
+        assert!(
+            st.code() == Some(1) && tty.out().contains("command terminated with exit code 3"),
+            "{transport}: {st:?} {:?} {:?}",
+            tty.out(),
+            tty.err()
+        );
+        fds_back("exec -it", &p.pids, &before).await;
+
+        // exec -i without a TTY: stdin reaches cat, stderr stays apart, the exit code is crictl's.
+        let mut ex = Bg::spawn(&mut c.cmd(&[
+            "exec",
+            "-r",
+            transport,
+            "-i",
+            &p.shell,
+            "sh",
+            "-c",
+            "cat; echo to-stderr >&2; exit 5",
+        ]));
+        ex.write("piped-input\n");
+        drop(ex.child.stdin.take());
+        let st = ex.exit("crictl exec -i to exit").await;
+        assert!(
+            st.code() == Some(1) && ex.err().contains("command terminated with exit code 5"),
+            "{transport}: {st:?} {:?}",
+            ex.err()
+        );
+        assert_eq!(ex.out(), "piped-input\n", "{transport}");
+        assert!(
+            ex.err().contains("to-stderr") && !ex.out().contains("to-stderr"),
+            "{transport}: {:?}",
+            ex.err()
+        );
+        fds_back("exec -i", &p.pids, &before).await;
+
+        // attach sees the ticker's output; killed, it leaves nothing behind.
+        let mut at = Bg::spawn(&mut c.cmd(&["attach", "-r", transport, &p.ticker]));
+        at.wait_out("the ticker's output through attach", "tick-")
+            .await;
+        at.kill9();
+        fds_back("a killed attach", &p.pids, &before).await;
+
+        // attach -i to a container with stdin open: cat echoes what crictl sends.
+        let mut at = Bg::spawn(&mut c.cmd(&["attach", "-r", transport, "-i", &p.cat]));
+        let line = format!("through-attach-{transport}\n");
+        at.write(&line);
+        at.wait_out("cat's echo through attach -i", &line).await;
+        at.kill9();
+        fds_back("a killed attach -i", &p.pids, &before).await;
+
+        // port-forward to httpd: an HTTP request through the local port crictl picked.
+        let mut pf = Bg::spawn(&mut c.cmd(&["port-forward", "-r", transport, &p.pod, "0:8080"]));
+        pf.wait_out("crictl to say where it forwards from", "-> 8080")
+            .await;
+        let out = pf.out();
+        let port: u16 = out
+            .split("127.0.0.1:")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no local port in {out:?}"));
+        for _ in 0..2 {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+                .unwrap();
+            s.write_all(b"GET /index.html HTTP/1.0\r\n\r\n").unwrap();
+            let mut resp = String::new();
+            s.read_to_string(&mut resp).unwrap();
+            assert!(
+                resp.starts_with("HTTP/1.") && resp.ends_with("served-by-httpd\n"),
+                "{transport}: {resp:?}"
+            );
+        }
+        // A connection left open while crictl is killed.
+        let _open = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        pf.kill9();
+        fds_back("a killed port-forward", &p.pids, &before).await;
+
+        // exec killed mid-stream: the exec'd process goes with it.
+        let marker = if transport == "spdy" { "1001" } else { "1002" };
+        let mut ex = Bg::spawn(&mut c.cmd(&["exec", "-r", transport, &p.shell, "sleep", marker]));
+        let sleep = format!("sleep {marker}");
+        support::wait_for(
+            "the exec'd sleep to run",
+            std::time::Duration::from_secs(30),
+            || !procs_starting(&sleep).is_empty(),
+        )
+        .await;
+        ex.kill9();
+        support::wait_for(
+            "the exec'd sleep to be gone after crictl was killed",
+            std::time::Duration::from_secs(30),
+            || procs_starting(&sleep).is_empty(),
+        )
+        .await;
+        fds_back("a killed exec", &p.pids, &before).await;
+    }
+
+    // 100 concurrent exec sessions, each with its own output; nothing left afterwards.
+    let mut execs: Vec<Bg> = (0..100)
+        .map(|n| {
+            Bg::spawn(&mut c.cmd(&[
+                "exec",
+                &p.shell,
+                "sh",
+                "-c",
+                "echo $0; sleep 1",
+                &format!("session-{n}"),
+            ]))
+        })
+        .collect();
+    for (n, ex) in execs.iter_mut().enumerate() {
+        let st = ex.exit("a concurrent crictl exec to exit").await;
+        assert!(st.success(), "session {n}: {:?}", ex.err());
+        assert_eq!(ex.out(), format!("session-{n}\n"), "{:?}", ex.err());
+    }
+    support::wait_for(
+        "no exec'd process left in the container",
+        std::time::Duration::from_secs(30),
+        || procs_starting("sh -c echo $0; sleep 1").is_empty(),
+    )
+    .await;
+    fds_back("100 concurrent execs", &p.pids, &before).await;
+
+    // Both transports were spoken: the server logs each upgrade's protocol.
+    let log = h.log_text();
+    for proto in [
+        r#"kind="exec" protocol=Some("v4.channel.k8s.io")"#,
+        r#"kind="exec" protocol=Some("v5.channel.k8s.io")"#,
+        r#"kind="attach" protocol=Some("v4.channel.k8s.io")"#,
+        r#"kind="attach" protocol=Some("v5.channel.k8s.io")"#,
+        r#"kind="portforward" protocol=Some("portforward.k8s.io")"#,
+        r#"kind="portforward" protocol=Some("SPDY/3.1+portforward.k8s.io")"#,
+    ] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("streaming upgrade") && strip_ansi(l).contains(proto)),
+            "no upgrade with {proto} in the daemon's log"
+        );
+    }
+    c.ok(&["stopp", &p.pod]);
+    c.ok(&["rmp", &p.pod]);
 }

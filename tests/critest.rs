@@ -795,7 +795,7 @@ async fn critest_accounts_for_every_spec() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "critest"]) || !cni::ready() {
         return;
     }
-    let (exit, report, output, log_path) = run_critest(focus.as_deref(), &[], "critest").await;
+    let (exit, report, output, _) = run_critest(focus.as_deref(), &[], "critest").await;
     let mut problems = account(&report, exit, &must_pass, &rows, focus.is_some());
     problems.extend(history_check(&must_pass, &rows));
     if focus.is_none() {

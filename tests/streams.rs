@@ -6,6 +6,8 @@
 
 mod support;
 
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::time::Duration;
 
 use hako::daemon::Daemon;
@@ -215,6 +217,63 @@ async fn exec_streams_stdio_and_exit_follows_resizes_and_dies_with_its_client() 
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // A client gone while its process's stdin is full (the process does not read it): the
+    // monitor, blocked writing that stdin, still sees the hangup and kills the process.
+    let mut s = d
+        .exec(exec_req(
+            &cid,
+            &["sh", "-c", "echo started; exec sleep 100124"],
+            false,
+            true,
+        ))
+        .await
+        .unwrap();
+    read_until(s.stdout.as_mut().unwrap(), "started").await;
+    let sleeper = processes_named("100124");
+    assert_eq!(sleeper.len(), 1, "the exec'd sleep runs");
+    let mut stdin = s.stdin.take().unwrap();
+    // More than the pipe, the socket and the session's buffers hold: the writer stays blocked.
+    let writer = tokio::spawn(async move {
+        let _ = stdin.write_all(&vec![b'x'; 4 << 20]).await;
+        stdin
+    });
+    // A reader of our own on the sleep's stdin pipe, to see it fill (nothing is read from it).
+    let pipe = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(format!("/proc/{}/fd/0", sleeper[0]))
+        .unwrap();
+    let queued = || {
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int to the pointer, which outlives the call.
+        unsafe { libc::ioctl(pipe.as_raw_fd(), libc::FIONREAD, &mut n) };
+        n
+    };
+    // SAFETY: F_GETPIPE_SZ only reads the fd.
+    let capacity = unsafe { libc::fcntl(pipe.as_raw_fd(), libc::F_GETPIPE_SZ) };
+    support::wait_for("the sleep's stdin pipe to fill", DEADLINE, || {
+        queued() >= capacity - 4096
+    })
+    .await;
+    drop(pipe);
+    writer.abort();
+    drop(s);
+    support::wait_for(
+        "the exec'd process with a full stdin to be killed",
+        DEADLINE,
+        || processes_named("100124").is_empty(),
+    )
+    .await;
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while fds(monitor) != fds_before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the monitor kept the full-stdin session's fds: before {fds_before:#?}, now {:#?}",
+            fds(monitor)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
     // The container itself runs on.
     assert_eq!(
         d.runtime.container(&cid).await.unwrap().state,

@@ -1224,15 +1224,22 @@ fn apply_one(
         let mut hook = oci::Hook::default();
         hook.set_path(PathBuf::from(&h.path));
         hook.set_args((!h.args.is_empty()).then(|| h.args.clone()));
+        let mut timeout = h.timeout;
         if let Some(exe) = wrapper.filter(|_| h.hook_name != "startContainer") {
-            let mut args = vec![
-                "hako".to_string(),
-                "cdi-hook".into(),
+            let mut args = vec!["hako".to_string(), "cdi-hook".into()];
+            // The wrapper enforces the timeout itself, so it can kill the hook's whole process
+            // group and say so; the OCI runtime's own (which SIGKILLs the wrapper alone) is a
+            // little later, only a backstop.
+            if let Some(t) = h.timeout.filter(|t| *t > 0) {
+                args.extend(["--timeout".to_string(), t.to_string()]);
+                timeout = Some(t.saturating_add(HOOK_TIMEOUT_MARGIN));
+            }
+            args.extend([
                 h.hook_name.clone(),
                 device.to_string(),
                 file.display().to_string(),
                 h.path.clone(),
-            ];
+            ]);
             if h.args.is_empty() {
                 args.push(h.path.clone());
             }
@@ -1241,7 +1248,7 @@ fn apply_one(
             hook.set_args(Some(args));
         }
         hook.set_env((!h.env.is_empty()).then(|| h.env.clone()));
-        hook.set_timeout(h.timeout);
+        hook.set_timeout(timeout);
         let hooks = spec.hooks_mut().get_or_insert_with(Default::default);
         let stage = match h.hook_name.as_str() {
             "prestart" => hooks.prestart_mut(),
@@ -1294,6 +1301,9 @@ pub const HOOKS_ANNOTATION: &str = "io.hako.cdi.hooks";
 /// The file in a container's bundle where `hako cdi-hook` records the hook it is running and,
 /// when that hook fails, how.
 pub const HOOK_REPORT: &str = "cdi-hook.json";
+/// How much later than a wrapped hook's own timeout the OCI runtime's timeout is, in seconds:
+/// enough for `hako cdi-hook` to kill the hook's group and record why first.
+const HOOK_TIMEOUT_MARGIN: i64 = 2;
 /// How much of a failing hook's stderr its error quotes.
 const STDERR_QUOTED: usize = 512;
 
@@ -1362,17 +1372,33 @@ pub fn hooks_of(bundle: &Path, hook: &str) -> Vec<HookOrigin> {
         .collect()
 }
 
-/// `hako cdi-hook HOOK DEVICE SPEC PATH ARG0 ARGS...`: runs one CDI hook for the OCI runtime
-/// in its place, so that a failure says which hook it was. The container state arrives on
-/// stdin and is passed on; the hook's stderr is passed through and its start kept. While it
-/// runs, and when it fails, `<bundle>/cdi-hook.json` says so (a hook killed for its timeout
-/// leaves the "did not finish" record). Returns the hook's exit status.
+/// `hako cdi-hook [--timeout SECS] HOOK DEVICE SPEC PATH ARG0 ARGS...`: runs one CDI hook for
+/// the OCI runtime in its place, so that a failure says which hook it was. The container state
+/// arrives on stdin and is passed on; the hook's stderr is passed through and its start kept.
+/// The hook runs in its own process group, which is SIGKILLed when the hook exits (background
+/// children it left) or at its timeout (all of it, recorded as "timed out"). While it runs,
+/// and when it fails, `<bundle>/cdi-hook.json` says so (a wrapper killed from outside leaves
+/// the "did not finish" record). Returns the hook's exit status (124 when it timed out).
 pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
     use std::io::{Read, Write};
     use std::os::unix::process::{CommandExt, ExitStatusExt};
+    const USAGE: &str =
+        "hako cdi-hook: usage: hako cdi-hook [--timeout SECS] HOOK DEVICE SPEC PATH [ARG0 ARGS...]";
+    let (timeout, args) = match args {
+        [flag, secs, rest @ ..] if flag == "--timeout" => {
+            match secs.to_str().and_then(|t| t.parse::<u64>().ok()) {
+                Some(t) => (Some(t), rest),
+                None => {
+                    eprintln!("{USAGE}");
+                    return 2;
+                }
+            }
+        }
+        _ => (None, args),
+    };
     let s = |i: usize| args.get(i).map(|a| a.to_string_lossy().into_owned());
     let (Some(hook), Some(device), Some(spec), Some(path)) = (s(0), s(1), s(2), s(3)) else {
-        eprintln!("hako cdi-hook: usage: hako cdi-hook HOOK DEVICE SPEC PATH [ARG0 ARGS...]");
+        eprintln!("{USAGE}");
         return 2;
     };
     let arg0 = args.get(4).cloned().unwrap_or_else(|| path.clone().into());
@@ -1408,6 +1434,8 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
     let child = std::process::Command::new(&path)
         .arg0(arg0)
         .args(rest)
+        // Its own group, so that what it leaves running can be killed with it.
+        .process_group(0)
         .stdin(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn();
@@ -1424,8 +1452,11 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
         }
     };
     if let Some(mut stdin) = child.stdin.take() {
-        // A hook that does not read its state closes the pipe early: not an error.
-        let _ = stdin.write_all(&state);
+        // A hook that does not read its state closes the pipe early: not an error. Written
+        // beside the wait, so that a hook that neither reads nor exits still meets its timeout.
+        std::thread::spawn(move || {
+            let _ = stdin.write_all(&state);
+        });
     }
     // stderr is read beside the wait, not to its end: a hook that leaves a background child
     // holding it open has still finished when it exits, and must not keep the runtime (and
@@ -1447,6 +1478,30 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
     } else {
         drop(tx);
     }
+    // Its exit is seen without reaping it (WNOWAIT): until it is reaped its pid stays the
+    // group's id, so the kill below reaches its group and nothing else.
+    let pgid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let (exited_tx, exited_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        use nix::sys::wait::{waitid, Id, WaitPidFlag};
+        while let Err(nix::errno::Errno::EINTR) =
+            waitid(Id::Pid(pgid), WaitPidFlag::WEXITED | WaitPidFlag::WNOWAIT)
+        {}
+        let _ = exited_tx.send(());
+    });
+    let timed_out = match timeout {
+        Some(t) => matches!(
+            exited_rx.recv_timeout(std::time::Duration::from_secs(t)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        ),
+        None => {
+            let _ = exited_rx.recv();
+            false
+        }
+    };
+    // Whatever is left of its group goes: background children it left, or, at its timeout,
+    // the hook and all it started. A child that made its own session escapes this.
+    let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
     let status = match child.wait() {
         Ok(s) => s,
         Err(e) => {
@@ -1464,6 +1519,10 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
         quoted.extend_from_slice(&chunk[..chunk.len().min(room)]);
     }
     let stderr = String::from_utf8_lossy(&quoted).trim().to_string();
+    if let Some(t) = timeout.filter(|_| timed_out) {
+        record(format!("timed out after {t} s"), stderr);
+        return 124;
+    }
     match (status.code(), status.signal()) {
         (Some(0), _) => {
             if let Some(f) = &report_file {
@@ -2131,16 +2190,19 @@ mod tests {
             ])
         );
         // Each runs through `hako cdi-hook` (here the test binary), which is told the hook's
-        // name, device, spec and its own path and arguments; env and timeout stay the hook's.
+        // name, device, spec and its own path and arguments; env stays the hook's.
         let exe = std::env::current_exe().unwrap();
         let wrapped = |stage: &str, args: &[&str]| {
             let mut a = vec!["hako", "cdi-hook", stage, "?", "/etc/cdi/m.json"];
             a.extend(args);
             json!({"path": exe, "args": a})
         };
-        let mut poststop = wrapped("poststop", &["/bin/b", "b", "-x"]);
+        // A hook with a timeout: the wrapper enforces it, the runtime's is a backstop later.
+        let mut poststop = json!({"path": exe, "args": [
+            "hako", "cdi-hook", "--timeout", "5", "poststop", "?", "/etc/cdi/m.json", "/bin/b", "b", "-x"
+        ]});
         poststop["env"] = json!(["K=v"]);
-        poststop["timeout"] = json!(5);
+        poststop["timeout"] = json!(7);
         assert_eq!(
             serde_json::to_value(spec.hooks()).unwrap(),
             json!({

@@ -176,7 +176,8 @@ impl Runtime {
         }
         undo.commit();
         // After the commit: a cancelled call must not undo a recorded container.
-        self.keep_record(&monitor, &id, &record).await;
+        self.keep_record(&monitor, &record.pod_id, &id, &record)
+            .await;
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         tracing::debug!(
             container = %id,

@@ -275,7 +275,7 @@ impl Runtime {
                 }
             };
             if info.pod_record.is_empty() {
-                self.keep_record(&monitor, "", pod).await;
+                self.keep_record(&monitor, &pod.id, "", pod).await;
             }
             for c in &info.containers {
                 match records.get(&c.id) {
@@ -284,7 +284,7 @@ impl Runtime {
                         self.store
                             .update(Table::Containers, &c.id, |r| apply_state(r, c))?;
                         if !info.container_records.contains_key(&c.id) {
-                            self.keep_record(&monitor, &c.id, rec).await;
+                            self.keep_record(&monitor, &pod.id, &c.id, rec).await;
                         }
                     }
                     None => {
@@ -309,18 +309,27 @@ impl Runtime {
     /// logged, not returned: the store has the record, only its spare copy is missing (the
     /// next start's reconcile gives it again). Copies are taken when a pod or container is
     /// created; an adopted record has the monitor's state, but changes made only to the
-    /// record since (updated resources) are not in the copy.
+    /// record since (updated resources) are not in the copy. A record the monitor refuses
+    /// (over its size cap) never will be kept: an error, but the pod or container is created
+    /// and recorded by then, so the call that made it still succeeds.
     pub(super) async fn keep_record<T: serde::Serialize>(
         &self,
         monitor: &MonitorClient,
+        pod: &str,
         container: &str,
         record: &T,
     ) {
-        if let Err(e) = monitor
+        match monitor
             .keep_record(container, crate::store::encode_record(record))
             .await
         {
-            tracing::warn!(container, error = %chain(&e), "the pod monitor did not take a copy of the record: it cannot be adopted if the store loses it");
+            Ok(()) => {}
+            Err(e @ Error::InvalidArgument(_)) => {
+                tracing::error!(pod, container, error = %chain(&e), "the pod monitor refused to keep a copy of the record: it cannot be adopted if the store loses it");
+            }
+            Err(e) => {
+                tracing::warn!(pod, container, error = %chain(&e), "the pod monitor did not take a copy of the record: it cannot be adopted if the store loses it");
+            }
         }
     }
 

@@ -216,7 +216,8 @@ impl Runtime {
         // pod is adopted from its monitor if the store loses the record.
         // Before any await: a cancelled call leaves no Ready pod unwatched.
         self.watch(&record);
-        self.keep_record(&self.monitor(&record), "", &record).await;
+        self.keep_record(&self.monitor(&record), &record.id, "", &record)
+            .await;
         self.warm_pods
             .lock()
             .expect("warm pods poisoned")

@@ -13,7 +13,7 @@ use hako_proto::monitor as pb;
 use hako_runtime::monitor::wire::{self, stream, Method};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{ContainerRecord, PodRecord, PodState, Runtime};
+use super::{ContainerRecord, NsMode, PodRecord, PodState, Runtime};
 use crate::error::{Error, Result};
 use crate::streaming::{AttachRequest, Backend, ExecRequest, Session, TermSize};
 
@@ -128,7 +128,19 @@ impl Runtime {
             ))
         };
         let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-        let Some(netns) = pod.namespaces.get("network").cloned() else {
+        // Decided by the spec: a pod whose netns path went missing must never reach the host's
+        // loopback.
+        let netns = if pod.spec.network == NsMode::Node {
+            None
+        } else {
+            Some(pod.namespaces.get("network").cloned().ok_or_else(|| {
+                Error::Internal(format!(
+                    "port-forward to pod sandbox {}: the pod has no network namespace path",
+                    pod.id
+                ))
+            })?)
+        };
+        let Some(netns) = netns else {
             // The host's network: its loopback is the pod's.
             return tokio::time::timeout(CONNECT_TIMEOUT, tokio::net::TcpStream::connect(addr))
                 .await
@@ -136,11 +148,20 @@ impl Runtime {
                 .map_err(what);
         };
         // A socket stays in the namespace it was made in: made by a thread of its own that
-        // joins the pod's namespace and ends with it (a pool thread would stay there).
+        // joins the pod's namespace and ends with it (a pool thread would stay there). Each
+        // such thread may block for CONNECT_TIMEOUT: their number is bounded, a permit held
+        // by the thread until it ends (even when this call was given up).
+        static CONNECTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+        let permit = CONNECTS
+            .get_or_init(|| tokio::sync::Semaphore::new(MAX_CONNECTING))
+            .acquire()
+            .await
+            .map_err(|_| Error::Internal("the port-forward semaphore closed".into()))?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
             .name("port-forward".into())
             .spawn(move || {
+                let _permit = permit;
                 let made = (|| {
                     let ns = std::fs::File::open(&netns).map_err(|e| {
                         std::io::Error::new(
@@ -165,6 +186,9 @@ impl Runtime {
         tokio::net::TcpStream::from_std(s).map_err(what)
     }
 }
+
+/// Port-forward connects in flight at once, each on a thread of its own.
+const MAX_CONNECTING: usize = 64;
 
 /// The session over a streaming call's connection. A task of its own moves the frames; it
 /// ends (closing the connection: the monitor kills the exec'd process, or detaches) when the

@@ -52,6 +52,24 @@ fn with_hook_report(bundle: &std::path::Path, e: Status) -> Status {
     }
 }
 
+/// A kept record costs the monitor memory for the pod's life: one over `wire::MAX_RECORD` is
+/// refused, naming what it was for.
+fn check_record_size(pod_id: &str, req: &pb::KeepRecordRequest) -> Result<(), Status> {
+    if req.record.len() <= wire::MAX_RECORD {
+        return Ok(());
+    }
+    let what = if req.container_id.is_empty() {
+        format!("pod {pod_id}")
+    } else {
+        format!("container {} of pod {pod_id}", req.container_id)
+    };
+    Err(Status::invalid_argument(format!(
+        "record of {what} is {} bytes, over the {} bytes a pod monitor keeps",
+        req.record.len(),
+        wire::MAX_RECORD
+    )))
+}
+
 fn proto_state(id: &str, c: &Ctr) -> pb::ContainerState {
     let exit = c.exit.unwrap_or_default();
     pb::ContainerState {
@@ -497,6 +515,7 @@ impl Svc {
 
     async fn keep_record(&self, req: pb::KeepRecordRequest) -> Result<pb::Empty, Status> {
         let mut st = self.state.lock().expect("state");
+        check_record_size(&st.opts.pod_id, &req)?;
         if req.container_id.is_empty() {
             st.pod_record = req.record;
         } else {
@@ -740,9 +759,7 @@ impl Svc {
             if c.phase == Phase::Exited {
                 None
             } else {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                c.waiters.push(tx);
-                Some(rx)
+                Some(super::streams::add_waiter(&mut c.waiters))
             }
         };
         if let Some(rx) = rx {
@@ -777,13 +794,13 @@ impl Svc {
             let rx = {
                 let mut st = self.state.lock().expect("state");
                 let c = st.containers.get_mut(&req.id).expect("checked");
-                let (tx, rx) = tokio::sync::oneshot::channel();
                 if c.phase == Phase::Exited {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
                     let _ = tx.send(());
+                    rx
                 } else {
-                    c.waiters.push(tx);
+                    super::streams::add_waiter(&mut c.waiters)
                 }
-                rx
             };
             let _ = tokio::time::timeout(Duration::from_secs(10), rx).await;
         }
@@ -846,10 +863,7 @@ impl Svc {
         let id = req.id.clone();
         let stdin = devnull()?;
         let process = pfile.clone();
-        let seccomp = serde_json::from_value::<oci_spec::runtime::LinuxSeccomp>(
-            spec["linux"]["seccomp"].clone(),
-        )
-        .ok();
+        let seccomp = super::streams::exec_seccomp(&spec)?;
         let built = in_helper(&self.state, move || {
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(ExecUnderSeccomp { seccomp })
@@ -1160,4 +1174,42 @@ async fn teardown(state: &Shared) {
         let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
     }
     infra::unpin(&dir);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn records_over_the_cap_are_refused_naming_the_object_and_size() {
+        let req = |container: &str, len: usize| pb::KeepRecordRequest {
+            container_id: container.into(),
+            record: vec![b'x'; len],
+        };
+        assert!(check_record_size("p1", &req("c1", wire::MAX_RECORD)).is_ok());
+        let e = check_record_size("p1", &req("c1", wire::MAX_RECORD + 1)).unwrap_err();
+        assert_eq!(e.code(), wire::code::INVALID_ARGUMENT);
+        assert_eq!(
+            e.message(),
+            format!(
+                "record of container c1 of pod p1 is {} bytes, over the {} bytes a pod monitor keeps",
+                wire::MAX_RECORD + 1,
+                wire::MAX_RECORD
+            )
+        );
+        let e = check_record_size("p1", &req("", wire::MAX_RECORD + 1)).unwrap_err();
+        assert!(e.message().starts_with("record of pod p1 is "), "{e:?}");
+        // A call keeping the largest record allowed is read, so it gets its answer.
+        let mut body = Vec::new();
+        req(&"c".repeat(64), wire::MAX_RECORD)
+            .encode(&mut body)
+            .unwrap();
+        let (mut a, mut b) = tokio::io::duplex(64 << 10);
+        let write = tokio::spawn(async move { wire::write_frame(&mut a, 1, &body).await });
+        let (_, got) = wire::read_frame_max(&mut b, wire::MAX_REQUEST)
+            .await
+            .unwrap();
+        write.await.unwrap().unwrap();
+        assert!(got.len() > wire::MAX_RECORD);
+    }
 }

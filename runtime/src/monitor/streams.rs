@@ -53,8 +53,8 @@ fn async_fd(fd: OwnedFd, interest: tokio::io::Interest) -> Result<AsyncFd<OwnedF
         .map_err(|e| err("register fd", e.into_parts().1))
 }
 
-/// A close-on-exec copy of `fd`: the same pipe or terminal, registered on its own.
-fn dup(fd: &OwnedFd) -> Result<OwnedFd, Status> {
+/// A close-on-exec copy of `fd`: the same pipe, terminal or socket, registered on its own.
+fn dup(fd: &impl AsRawFd) -> Result<OwnedFd, Status> {
     let raw = nix::fcntl::fcntl(fd.as_raw_fd(), nix::fcntl::FcntlArg::F_DUPFD_CLOEXEC(3))
         .map_err(|e| err("dup", e))?;
     // SAFETY: fcntl just made this fd for us.
@@ -90,6 +90,47 @@ async fn write_fd(fd: &AsyncFd<OwnedFd>, mut bytes: &[u8]) -> std::io::Result<()
     Ok(())
 }
 
+/// Returns once the daemon closed (or shut down its side of) the connection `conn` watches, a
+/// copy of the call's connection with its own registration: readiness cleared here leaves the
+/// connection's own untouched, so its frames are still read later.
+async fn hung_up(conn: &AsyncFd<OwnedFd>) {
+    loop {
+        let Ok(mut g) = conn.readable().await else {
+            return;
+        };
+        if g.ready().is_read_closed() {
+            return;
+        }
+        g.clear_ready();
+    }
+}
+
+/// The container's seccomp filter from its spec, for an exec: absent or null is none; anything
+/// else that does not parse fails the exec (it must never run unconfined by mistake).
+pub(super) fn exec_seccomp(
+    spec: &serde_json::Value,
+) -> Result<Option<oci_spec::runtime::LinuxSeccomp>, Status> {
+    match &spec["linux"]["seccomp"] {
+        serde_json::Value::Null => Ok(None),
+        v => serde_json::from_value(v.clone()).map(Some).map_err(|e| {
+            Status::internal(format!(
+                "parse linux.seccomp of the container's config.json: {e}"
+            ))
+        }),
+    }
+}
+
+/// Adds a waiter for a container's exit, first dropping those whose receiver went (a detached
+/// attach, a timed-out Wait): the list is drained only at the exit.
+pub(super) fn add_waiter(
+    waiters: &mut Vec<tokio::sync::oneshot::Sender<()>>,
+) -> tokio::sync::oneshot::Receiver<()> {
+    waiters.retain(|w| !w.is_closed());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    waiters.push(tx);
+    rx
+}
+
 fn set_size(console: &OwnedFd, body: &[u8]) {
     if let Some((width, height)) = wire::parse_resize(body) {
         let ws = libc::winsize {
@@ -104,9 +145,11 @@ fn set_size(console: &OwnedFd, body: &[u8]) {
 }
 
 /// Why a streaming call's frames from the daemon stopped: the daemon went (closed the
-/// connection, or sent garbage).
+/// connection, or sent garbage). While stdin is full, `conn` (a copy of the connection) is
+/// watched for the daemon hanging up, as frames are then not read.
 async fn client_frames<R: AsyncRead + Unpin>(
     r: &mut R,
+    conn: &AsyncFd<OwnedFd>,
     mut stdin: Option<AsyncFd<OwnedFd>>,
     console: Option<&OwnedFd>,
     mut on_stdin_end: impl FnMut(),
@@ -127,10 +170,18 @@ async fn client_frames<R: AsyncRead + Unpin>(
             stream::STDIN if buf.is_empty() => {}
             stream::STDIN => {
                 if let Some(fd) = &stdin {
-                    // The process closed its stdin: later input has nowhere to go.
-                    if write_fd(fd, &buf).await.is_err() {
-                        stdin = None;
-                        on_stdin_end();
+                    tokio::select! {
+                        r = write_fd(fd, &buf) => {
+                            // The process closed its stdin: later input has nowhere to go.
+                            if r.is_err() {
+                                stdin = None;
+                                on_stdin_end();
+                            }
+                        }
+                        _ = hung_up(conn) => {
+                            on_stdin_end();
+                            return;
+                        }
                     }
                 }
             }
@@ -175,10 +226,19 @@ pub(crate) async fn exec(state: &Shared, req: pb::ExecRequest, mut conn: tokio::
     } = call;
     // The process's exit code, once reaped.
     let mut code = None;
-    if wire::write_frame(&mut conn, wire::code::OK, b"")
-        .await
-        .is_ok()
+    let watch = match dup(&conn).and_then(|f| async_fd(f, tokio::io::Interest::READABLE)) {
+        Ok(w) => Some(w),
+        Err(s) => {
+            let _ = wire::write_frame(&mut conn, s.code(), s.message().as_bytes()).await;
+            None
+        }
+    };
+    if watch.is_some()
+        && wire::write_frame(&mut conn, wire::code::OK, b"")
+            .await
+            .is_ok()
     {
+        let watch = watch.as_ref().expect("checked");
         let (mut rd, mut wr) = conn.split();
         let outputs = async {
             let mut ended = [stdout.is_none(), stderr.is_none()];
@@ -224,15 +284,24 @@ pub(crate) async fn exec(state: &Shared, req: pb::ExecRequest, mut conn: tokio::
             wire::write_stream(&mut wr, stream::EXIT, &c.to_be_bytes()).await?;
             Ok::<_, std::io::Error>(())
         };
-        let inputs = client_frames(&mut rd, stdin, console.as_ref(), || {});
+        let inputs = client_frames(&mut rd, watch, stdin, console.as_ref(), || {});
         tokio::select! {
             _ = outputs => {}
             _ = inputs => {}
         }
     }
     // The client gone first: the process must not outlive the call. Its exit is awaited so
-    // the reaper's record of it goes too. (Once reaped, its pid is not ours to signal.)
-    if code.is_none() {
+    // the reaper's record of it goes too. Once reaped (its status maybe sent but not yet
+    // taken), its pid is not ours to signal: checked under the state lock, which the reaper
+    // holds to hand the status over (left: the instant between its waitpid and that lock).
+    let unreaped = code.is_none() && {
+        let _st = state.lock().expect("state");
+        matches!(
+            exited.try_recv(),
+            Err(tokio::sync::oneshot::error::TryRecvError::Empty)
+        )
+    };
+    if unreaped {
         let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
         if tokio::time::timeout(Duration::from_secs(10), exited)
             .await
@@ -294,9 +363,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     let mut process = spec["process"].clone();
     process["args"] = serde_json::json!(req.cmd);
     process["terminal"] = serde_json::json!(req.tty);
-    let seccomp =
-        serde_json::from_value::<oci_spec::runtime::LinuxSeccomp>(spec["linux"]["seccomp"].clone())
-            .ok();
+    let seccomp = exec_seccomp(&spec)?;
     std::fs::create_dir_all(&cdir).map_err(|e| err("create container dir", e))?;
     let nanos = now_nanos();
     let pfile = cdir.join(format!("exec-{nanos}.json"));
@@ -438,17 +505,17 @@ pub(crate) async fn attach(
             .expect("fanout")
             .get_or_insert_with(|| tokio::sync::broadcast::channel(ATTACH_BACKLOG).0)
             .subscribe();
-        let (tx, exited) = tokio::sync::oneshot::channel();
-        c.waiters.push(tx);
+        let exited = add_waiter(&mut c.waiters);
         // Input goes to the container's stdin only when it was created with one.
         let stdin = match (&c.stdin, req.stdin) {
             (Some(fd), true) => Some(async_fd(dup(fd)?, tokio::io::Interest::WRITABLE)?),
             _ => None,
         };
         let console = c.console.as_ref().map(dup).transpose()?;
-        Ok((rx, exited, stdin, console, c.stdin_once))
+        let watch = async_fd(dup(&conn)?, tokio::io::Interest::READABLE)?;
+        Ok((rx, exited, stdin, console, c.stdin_once, watch))
     })();
-    let (mut rx, exited, stdin, console, stdin_once) = match joined {
+    let (mut rx, exited, stdin, console, stdin_once, watch) = match joined {
         Ok(j) => j,
         Err(s) => {
             let _ = wire::write_frame(&mut conn, s.code(), s.message().as_bytes()).await;
@@ -521,9 +588,48 @@ pub(crate) async fn attach(
             }
         }
     };
-    let inputs = client_frames(&mut rd, stdin, console.as_ref(), close_stdin);
+    let inputs = client_frames(&mut rd, &watch, stdin, console.as_ref(), close_stdin);
     tokio::select! {
         _ = outputs => {}
         _ = inputs => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_seccomp_is_none_when_absent_and_refuses_what_does_not_parse() {
+        assert_eq!(exec_seccomp(&serde_json::json!({})).unwrap(), None);
+        assert_eq!(
+            exec_seccomp(&serde_json::json!({"linux": {"seccomp": null}})).unwrap(),
+            None
+        );
+        let f = exec_seccomp(&serde_json::json!({"linux": {"seccomp": {
+            "defaultAction": "SCMP_ACT_ERRNO",
+            "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ALLOW"}]
+        }}}))
+        .unwrap()
+        .expect("a filter");
+        assert_eq!(f.syscalls().as_ref().map(Vec::len), Some(1));
+        let e = exec_seccomp(&serde_json::json!({"linux": {"seccomp": {"defaultAction": 7}}}))
+            .unwrap_err();
+        assert_eq!(e.code(), wire::code::INTERNAL);
+        assert!(e.message().contains("linux.seccomp"), "{e:?}");
+    }
+
+    #[test]
+    fn add_waiter_drops_the_waiters_that_went() {
+        let mut waiters = Vec::new();
+        let kept = add_waiter(&mut waiters);
+        for _ in 0..100 {
+            drop(add_waiter(&mut waiters));
+        }
+        // The last one's receiver went after its push: only it is left of the gone ones.
+        assert_eq!(waiters.len(), 2);
+        drop(kept);
+        let _live = add_waiter(&mut waiters);
+        assert_eq!(waiters.len(), 1);
     }
 }

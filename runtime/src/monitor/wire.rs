@@ -111,8 +111,13 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin>(
     w.flush().await
 }
 
-/// The largest call the monitor reads: calls carry ids, paths and an exec's argv, never output.
-pub const MAX_REQUEST: usize = 1 << 20;
+/// The largest record the daemon may have a monitor keep (KeepRecord); a larger one is refused
+/// with INVALID_ARGUMENT.
+pub const MAX_RECORD: usize = 1 << 20;
+/// The largest call the monitor reads: calls carry ids, paths, an exec's argv and kept records,
+/// never output. Room for a KeepRecord of MAX_RECORD bytes beside its container id, so such a
+/// call gets its answer rather than a dropped connection.
+pub const MAX_REQUEST: usize = MAX_RECORD + (64 << 10);
 
 /// Reads one frame: its tag and body.
 pub async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R) -> std::io::Result<(u8, Vec<u8>)> {
