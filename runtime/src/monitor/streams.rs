@@ -233,12 +233,13 @@ pub(crate) async fn exec(state: &Shared, req: pb::ExecRequest, mut conn: tokio::
             None
         }
     };
-    if watch.is_some()
-        && wire::write_frame(&mut conn, wire::code::OK, b"")
+    let answered = match &watch {
+        Some(_) => wire::write_frame(&mut conn, wire::code::OK, b"")
             .await
-            .is_ok()
-    {
-        let watch = watch.as_ref().expect("checked");
+            .is_ok(),
+        None => false,
+    };
+    if let (Some(watch), true) = (watch.as_ref(), answered) {
         let (mut rd, mut wr) = conn.split();
         let outputs = async {
             let mut ended = [stdout.is_none(), stderr.is_none()];
