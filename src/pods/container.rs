@@ -487,6 +487,15 @@ impl Runtime {
             }
             let views = self.container_views_of(&survey, vec![self.container_record(&c.id)?])?;
             if let Some(v) = views.into_iter().next() {
+                // Just started: the record says Running before the watcher's next report
+                // carries the pid. Only the monitor knows it then; ask it once.
+                if pid == 0 && v.state == ContainerState::Running {
+                    if let Ok(s) = self.monitor(&pod).state(&c.id).await {
+                        if s.status == pb::Status::Running as i32 {
+                            pid = s.pid;
+                        }
+                    }
+                }
                 return Ok(ContainerView { pid, ..v });
             }
             return Err(Error::NotFound(format!("container {} not found", c.id)));
