@@ -139,10 +139,24 @@ impl Runtime {
             .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;
         let monitor = self.monitor(&pod);
         let t_spec = t0.elapsed();
-        monitor
+        if let Err(e) = monitor
             .create(&id, &bundle, &log_path, req.tty, req.stdin, req.stdin_once)
             .await
-            .map_err(|e| e.context(format!("create container {} in pod {}", req.name, pod.id)))?;
+        {
+            // A monitor found gone turns the pod NotReady here, not only at the next relist:
+            // the create then fails for good instead of UNAVAILABLE on every retry.
+            self.check_monitor_locked(&pod, &e)?;
+            if self
+                .pod(&pod.id)
+                .map_or(true, |p| p.state != PodState::Ready)
+            {
+                return Err(Error::FailedPrecondition(format!(
+                    "create container {} in pod {}: the pod's monitor is gone and the pod is not ready",
+                    req.name, pod.id
+                )));
+            }
+            return Err(e.context(format!("create container {} in pod {}", req.name, pod.id)));
+        }
         let t_created = t0.elapsed();
         self.warm_pods
             .lock()
