@@ -828,42 +828,17 @@ impl Svc {
     }
 
     async fn exec_sync(&self, req: pb::ExecSyncRequest) -> Result<pb::ExecSyncResponse, Status> {
-        let (bundle, cdir, phase) = {
-            let st = self.state.lock().expect("state");
-            let c = st.containers.get(&req.id).ok_or_else(|| {
-                Status::not_found(format!("container {} not found in pod monitor", req.id))
-            })?;
-            (c.bundle.clone(), st.opts.container_dir(&req.id), c.phase)
-        };
-        if phase != Phase::Running {
-            return Err(Status::failed_precondition(format!(
-                "container {} is not running",
-                req.id
-            )));
-        }
-        if req.cmd.is_empty() {
-            return Err(Status::invalid_argument("exec command is empty"));
-        }
-        // The container's own process (user, env, cwd, capabilities, no_new_privs) with
-        // another command.
-        let spec: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(bundle.join("config.json")).map_err(|e| err("read config.json", e))?,
-        )
-        .map_err(|e| err("parse config.json", e))?;
-        let mut process = spec["process"].clone();
-        process["args"] = serde_json::json!(req.cmd);
-        process["terminal"] = serde_json::json!(false);
-        std::fs::create_dir_all(&cdir).map_err(|e| err("create container dir", e))?;
-        let pfile = cdir.join(format!("exec-{}.json", now_nanos()));
-        std::fs::write(&pfile, serde_json::to_vec(&process).expect("json"))
-            .map_err(|e| err("write exec process", e))?;
+        let super::streams::ExecPlan {
+            root,
+            pfile,
+            seccomp,
+            ..
+        } = super::streams::plan_exec(&self.state, &req.id, &req.cmd, false)?;
         let (out_r, out_w) = pipe()?;
         let (err_r, err_w) = pipe()?;
-        let root = self.youki_root();
         let id = req.id.clone();
         let stdin = devnull()?;
         let process = pfile.clone();
-        let seccomp = super::streams::exec_seccomp(&spec)?;
         let built = in_helper(&self.state, move || {
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(ExecUnderSeccomp { seccomp })

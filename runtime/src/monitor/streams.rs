@@ -333,43 +333,78 @@ struct Started {
     console_dir: Option<std::path::PathBuf>,
 }
 
-async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, Status> {
+/// What an exec (streaming or ExecSync) runs: the container's own process (user, env, cwd,
+/// capabilities, no_new_privs) with another command, written where libcontainer reads it,
+/// and the container's seccomp filter.
+pub(super) struct ExecPlan {
+    /// The container's directory in the monitor's state.
+    pub(super) cdir: std::path::PathBuf,
+    pub(super) root: std::path::PathBuf,
+    /// The process file libcontainer execs.
+    pub(super) pfile: std::path::PathBuf,
+    pub(super) seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
+    /// Names this exec's files apart from others running at once.
+    pub(super) nanos: i64,
+}
+
+/// Checks that `id` is running and plans `cmd` in it (see [`ExecPlan`]).
+pub(super) fn plan_exec(
+    state: &Shared,
+    id: &str,
+    cmd: &[String],
+    tty: bool,
+) -> Result<ExecPlan, Status> {
     let (bundle, cdir, root, phase) = {
         let st = state.lock().expect("state");
-        let c = st.containers.get(&req.id).ok_or_else(|| {
-            Status::not_found(format!("container {} not found in pod monitor", req.id))
-        })?;
+        let c = st
+            .containers
+            .get(id)
+            .ok_or_else(|| Status::not_found(format!("container {id} not found in pod monitor")))?;
         (
             c.bundle.clone(),
-            st.opts.container_dir(&req.id),
+            st.opts.container_dir(id),
             st.opts.youki_root(),
             c.phase,
         )
     };
     if phase != Phase::Running {
         return Err(Status::failed_precondition(format!(
-            "container {} is not running",
-            req.id
+            "container {id} is not running"
         )));
     }
-    if req.cmd.is_empty() {
+    if cmd.is_empty() {
         return Err(Status::invalid_argument("exec command is empty"));
     }
-    // The container's own process (user, env, cwd, capabilities, no_new_privs) with another
-    // command, as ExecSync.
     let spec: serde_json::Value = serde_json::from_slice(
         &std::fs::read(bundle.join("config.json")).map_err(|e| err("read config.json", e))?,
     )
     .map_err(|e| err("parse config.json", e))?;
     let mut process = spec["process"].clone();
-    process["args"] = serde_json::json!(req.cmd);
-    process["terminal"] = serde_json::json!(req.tty);
+    process["args"] = serde_json::json!(cmd);
+    process["terminal"] = serde_json::json!(tty);
     let seccomp = exec_seccomp(&spec)?;
     std::fs::create_dir_all(&cdir).map_err(|e| err("create container dir", e))?;
     let nanos = now_nanos();
     let pfile = cdir.join(format!("exec-{nanos}.json"));
     std::fs::write(&pfile, serde_json::to_vec(&process).expect("json"))
         .map_err(|e| err("write exec process", e))?;
+    Ok(ExecPlan {
+        cdir,
+        root,
+        pfile,
+        seccomp,
+        nanos,
+    })
+}
+
+async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, Status> {
+    let ExecPlan {
+        cdir,
+        root,
+        pfile,
+        seccomp,
+        nanos,
+    } = plan_exec(state, &req.id, &req.cmd, req.tty)?;
     // A terminal's init sends its master over a socket of this exec's own (execs run at once).
     let console_dir = cdir.join(format!("exec-{nanos}"));
     let console = if req.tty {
