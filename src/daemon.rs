@@ -41,8 +41,9 @@ pub struct Health {
 }
 
 impl Daemon {
-    /// Opens (or creates) the state under `config.root` and reconciles it.
-    pub async fn open(config: Config) -> Result<Daemon> {
+    /// Opens (or creates) the state under `config.root` and reconciles it; from then on a pod
+    /// whose monitor stops listening is released as soon as its watcher notices.
+    pub async fn open(config: Config) -> Result<Arc<Daemon>> {
         // The root holds the store, images and containers' layers: owner only. The state dir
         // stays traversable so a group given the socket (0660) can reach it; what is below it
         // is owner only.
@@ -91,14 +92,19 @@ impl Daemon {
             cdi.clone(),
         );
         runtime.reconcile().await?;
-        Ok(Daemon {
+        let lost = runtime.lost_monitors();
+        let daemon = Arc::new(Daemon {
             config,
             images,
             runtime,
             network,
             cdi,
             streaming: std::sync::OnceLock::new(),
-        })
+        });
+        if let Some(lost) = lost {
+            tokio::spawn(release_lost_monitors(Arc::downgrade(&daemon), lost));
+        }
+        Ok(daemon)
     }
 
     /// What `Status` reports: pods run (RuntimeReady); NetworkReady is whether a CNI
@@ -203,11 +209,27 @@ pub fn signalled() -> Result<impl Future<Output = ()> + Send + 'static> {
     })
 }
 
+/// Releases each pod whose watcher found its monitor no longer listening; ends with the
+/// daemon (its weak handle does not keep the daemon alive).
+async fn release_lost_monitors(
+    daemon: std::sync::Weak<Daemon>,
+    mut lost: tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    while let Some(pod) = lost.recv().await {
+        let Some(d) = daemon.upgrade() else {
+            return;
+        };
+        if let Err(e) = d.runtime.release_lost_monitor(&pod).await {
+            tracing::error!(pod = %pod, error = %crate::error::chain(&e), "releasing a pod whose monitor is gone");
+        }
+    }
+}
+
 /// `hako serve`.
 pub async fn serve(config: Config) -> Result<()> {
     let listen = config.listen.clone();
     let shutdown = signalled()?;
-    let daemon = Arc::new(Daemon::open(config).await?);
+    let daemon = Daemon::open(config).await?;
     // The server reaches the pods through a weak handle: the daemon holds the server, and a
     // strong one would keep the daemon (and its store) alive past shutdown.
     daemon

@@ -605,13 +605,20 @@ async fn a_pod_whose_network_namespace_is_gone_still_releases_its_lease() {
     let mut rt = h.runtime().await;
     let pod = run_pod(&mut rt, &pod_config("orphaned", logs.path())).await;
     assert_eq!(net.leased().len(), 1);
-    // The monitor dies; the daemon notices at the next relist and releases the namespaces,
-    // so the network namespace is gone by the time the pod is stopped.
+    // The monitor dies; the daemon notices by itself (no call asks) and releases the
+    // namespaces, so the network namespace is gone by the time the pod is stopped.
     kill_monitor(&mut rt, &pod).await;
-    rt.list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap();
-    assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
+    support::wait_for(
+        "the daemon to release the namespaces of a pod whose monitor died",
+        std::time::Duration::from_secs(20),
+        || cni::netns_mounts_under(h.dir.path()).is_empty(),
+    )
+    .await;
+    assert!(h.log_text().contains("pod monitor is gone"), "logged");
+    assert_eq!(
+        pod_state(&mut rt, &pod).await,
+        cri::PodSandboxState::SandboxNotready as i32
+    );
     assert_eq!(net.leased().len(), 1, "still leased until StopPodSandbox");
     remove_pod(&mut rt, &pod).await;
     assert!(net.leased().is_empty(), "{:?}", net.leased());

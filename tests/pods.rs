@@ -1355,19 +1355,6 @@ async fn a_stuck_monitor_fails_calls_with_deadline_exceeded_instead_of_hanging()
     assert_no_leaks(&h, &pod);
 }
 
-/// The pod's state as ListPodSandbox reports it.
-async fn pod_state(rt: &mut Rt, pod: &str) -> i32 {
-    rt.list_pod_sandbox(cri::ListPodSandboxRequest::default())
-        .await
-        .expect("ListPodSandbox")
-        .into_inner()
-        .items
-        .into_iter()
-        .find(|i| i.id == pod)
-        .expect("the pod is listed")
-        .state
-}
-
 /// A container's exit reaches the daemon when its monitor records it, without any call
 /// asking for it: with no CRI call between the start and the monitor being stopped, lists
 /// and ContainerStatus report the exit and its code (from the daemon's own state; a stopped

@@ -7,7 +7,6 @@ mod support;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use hako::config::Config;
@@ -50,7 +49,7 @@ impl Server {
             std::fs::create_dir_all(d.join(sub)).unwrap();
         }
         tweak(&mut config, d);
-        let daemon = Arc::new(Daemon::open(config).await.expect("open the daemon"));
+        let daemon = Daemon::open(config).await.expect("open the daemon");
         let listener = hako::daemon::bind(&socket).expect("bind the socket");
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(hako::server::run(listener, daemon, async move {

@@ -22,7 +22,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const DEADLINE: Duration = Duration::from_secs(30);
 
 /// Stops the CRI daemon (its pods run on) and opens one in this process over its state.
-async fn restart_in_process(h: &mut Hako) -> Daemon {
+async fn restart_in_process(h: &mut Hako) -> std::sync::Arc<Daemon> {
     h.stop();
     let config = hako::config::Config::load(&h.config, true).expect("load hako's config");
     Daemon::open(config)

@@ -530,8 +530,8 @@ impl Runtime {
     }
 
     /// What the monitors of the Ready pods among `pods` last reported (live.rs): no monitor
-    /// is asked. A monitor its watcher found no longer listening is handed to recovery
-    /// (`check_monitor`: its pod turns NotReady); one that missed its deadline leaves its
+    /// is asked. A monitor its watcher found no longer listening and not yet released (see
+    /// `release_lost_monitor`) is handed to recovery (`check_monitor`: its pod turns NotReady); one that missed its deadline leaves its
     /// records as they are and its pod reported NotReady, with why.
     pub(super) async fn survey(&self, pods: &[PodRecord]) -> Result<Survey> {
         let mut survey = Survey::default();
@@ -610,14 +610,7 @@ impl Runtime {
         cmd: Vec<String>,
         timeout: Duration,
     ) -> Result<ExecOutput> {
-        let c = self.container_record(id)?;
-        let pod = self.pod_of(&c)?;
-        if pod.state != PodState::Ready {
-            return Err(Error::FailedPrecondition(format!(
-                "container {} is not running",
-                c.id
-            )));
-        }
+        let (c, pod) = self.exec_target(id)?;
         // No cgroup-warm hold here (see docs/BENCHMARKS.md): exec probes are steady load, and
         // keeping the node-wide migration lock in writer mode for them would slow every fork
         // and exit on the node; the exec pays one grace period itself instead.

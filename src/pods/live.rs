@@ -5,7 +5,8 @@
 //! relist costs the same at 250 pods as at 1.
 //!
 //! What the answers tell: an exit (the monitor records it, then wakes the call), a monitor
-//! that no longer listens (the call fails; the next read hands the pod to `recovery.rs`), a
+//! that no longer listens (the call fails; the pod's id goes to the daemon's `lost` channel
+//! at once, and `Runtime::release_lost_monitor` hands the pod to `recovery.rs`), a
 //! monitor that is stuck (the call misses its `answer_by` by more than the read deadline:
 //! the pod is reported NotReady, with that reason, until it answers again), and a pod whose
 //! PID namespace lost its init. Knowing no `Runtime`: watchers hold the store and this map
@@ -22,9 +23,11 @@ use super::{apply_state, ContainerRecord, ContainerState, PodRecord, PodState};
 use crate::error::{chain, Error};
 use crate::store::{Store, Table};
 
-/// The watched pods, by id.
-#[derive(Default)]
-pub(super) struct Live(Mutex<HashMap<String, PodLive>>);
+/// The watched pods, by id, and where watchers report a monitor that no longer listens.
+pub(super) struct Live {
+    pods: Mutex<HashMap<String, PodLive>>,
+    lost: tokio::sync::mpsc::UnboundedSender<String>,
+}
 
 /// What a pod's watcher last learnt from its monitor.
 #[derive(Default, Clone, Debug)]
@@ -40,19 +43,34 @@ pub(super) struct PodLive {
 }
 
 impl Live {
+    /// The map, and the receiving end of its `lost` channel: the ids of pods whose monitor
+    /// stopped listening, each once per loss.
+    pub(super) fn new() -> (Live, tokio::sync::mpsc::UnboundedReceiver<String>) {
+        let (lost, rx) = tokio::sync::mpsc::unbounded_channel();
+        let live = Live {
+            pods: Mutex::default(),
+            lost,
+        };
+        (live, rx)
+    }
+
     /// A copy of what is known of the pod; `None` when it is not watched.
     pub(super) fn get(&self, pod_id: &str) -> Option<PodLive> {
-        self.0.lock().expect("live poisoned").get(pod_id).cloned()
+        self.pods
+            .lock()
+            .expect("live poisoned")
+            .get(pod_id)
+            .cloned()
     }
 
     /// Stops following the pod (stopped, lost or removed): its watcher ends at its next wake.
     pub(super) fn forget(&self, pod_id: &str) {
-        self.0.lock().expect("live poisoned").remove(pod_id);
+        self.pods.lock().expect("live poisoned").remove(pod_id);
     }
 
     /// Changes the pod's entry; false when it is no longer watched.
     fn with(&self, pod_id: &str, f: impl FnOnce(&mut PodLive)) -> bool {
-        match self.0.lock().expect("live poisoned").get_mut(pod_id) {
+        match self.pods.lock().expect("live poisoned").get_mut(pod_id) {
             Some(p) => {
                 f(p);
                 true
@@ -66,7 +84,7 @@ impl Live {
 /// it is).
 pub(super) fn watch(live: &Arc<Live>, store: &Arc<Store>, pod: &PodRecord, client: MonitorClient) {
     {
-        let mut m = live.0.lock().expect("live poisoned");
+        let mut m = live.pods.lock().expect("live poisoned");
         if m.contains_key(&pod.id) {
             return;
         }
@@ -136,14 +154,21 @@ impl Watcher {
                     }
                     let gone = !self.client.listening();
                     let msg = chain(&e);
+                    let newly_gone = std::cell::Cell::new(false);
                     if !live.with(&self.pod_id, |p| {
                         if gone {
+                            newly_gone.set(p.gone.is_none());
                             p.gone = Some(msg.clone());
                         } else {
                             p.silent = Some(msg.clone());
                         }
                     }) {
                         return;
+                    }
+                    // Released now, not at some later read: the pod's network and mounts are
+                    // held until then, and a kubelet may not relist for a while.
+                    if newly_gone.get() {
+                        let _ = live.lost.send(self.pod_id.clone());
                     }
                     drop((live, store));
                     tokio::time::sleep(pause).await;

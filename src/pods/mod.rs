@@ -181,6 +181,9 @@ pub struct Runtime {
     monitors: std::sync::Mutex<HashMap<String, MonitorClient>>,
     /// What the Ready pods' monitors last reported (live.rs): lists and statuses read it.
     live: Arc<live::Live>,
+    /// Pods whose monitor stopped listening, as watchers find them (taken once by the daemon,
+    /// see [`Runtime::lost_monitors`]).
+    lost: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<String>>>,
     /// One create per pod or container name at a time: a retry waits for the first attempt.
     name_locks: Locks,
     /// Changes of one pod or container, by id, one at a time: a pod's stop and removal hold
@@ -239,6 +242,7 @@ impl Runtime {
         cdi: Arc<hako_runtime::cdi::Registry>,
     ) -> Runtime {
         let cap_limit = hako_runtime::spec::own_bounding_set();
+        let (live, lost) = live::Live::new();
         Runtime {
             oom_floor: host::oom_floor(restrict_oom_score_adj, &cap_limit),
             store,
@@ -246,7 +250,8 @@ impl Runtime {
             state_dir: state_dir.to_path_buf(),
             root_dir: root_dir.to_path_buf(),
             monitors: std::sync::Mutex::new(HashMap::new()),
-            live: Default::default(),
+            live: Arc::new(live),
+            lost: std::sync::Mutex::new(Some(lost)),
             name_locks: Locks::default(),
             object_locks: Locks::default(),
             cap_limit,

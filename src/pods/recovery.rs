@@ -162,6 +162,31 @@ impl Runtime {
         self.monitor_gone(pod, err)
     }
 
+    /// The ids of pods whose monitor stopped listening, as their watchers find them; `None`
+    /// after the first call. Each is for [`Runtime::release_lost_monitor`].
+    pub fn lost_monitors(&self) -> Option<tokio::sync::mpsc::UnboundedReceiver<String>> {
+        self.lost.lock().expect("lost poisoned").take()
+    }
+
+    /// A pod whose watcher found its monitor no longer listening: once no change of the pod
+    /// is under way, recovery as for any read that finds it gone (containers Exited or
+    /// Unknown, namespaces and mounts released, pod NotReady; its network stays leased until
+    /// StopPodSandbox). A stop that ran meanwhile, or a monitor that answers again, leaves
+    /// nothing to do.
+    pub async fn release_lost_monitor(&self, pod_id: &str) -> Result<()> {
+        let _guard = self.object_locks.exclusive(pod_id).await;
+        let Some(pod) = self.store.get::<PodRecord>(Table::Pods, pod_id)? else {
+            return Ok(());
+        };
+        let Some(why) = self.live.get(pod_id).and_then(|l| l.gone) else {
+            return Ok(());
+        };
+        if pod.state != PodState::Ready {
+            return Ok(());
+        }
+        self.check_monitor_locked(&pod, &Error::Unavailable(why))
+    }
+
     /// [`Runtime::check_monitor`] for a caller that holds the pod's lock (shared or
     /// exclusive): no stop of the pod can be under way.
     pub(super) fn check_monitor_locked(&self, pod: &PodRecord, err: &Error) -> Result<()> {

@@ -13,7 +13,7 @@ use hako_proto::monitor as pb;
 use hako_runtime::monitor::wire::{self, stream, Method};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{ContainerRecord, NsMode, PodRecord, PodState, Runtime};
+use super::{ContainerRecord, ContainerState, NsMode, PodRecord, PodState, Runtime};
 use crate::error::{Error, Result};
 use crate::streaming::{AttachRequest, Backend, ExecRequest, Session, TermSize};
 
@@ -24,15 +24,21 @@ const PIPE: usize = 64 * 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Runtime {
-    /// The container and its pod, for a stream into the container: the pod must be ready
-    /// (its monitor holds the container's processes); the monitor checks the container runs.
-    fn stream_target(&self, id: &str) -> Result<(ContainerRecord, PodRecord)> {
+    /// The container and its pod, for an exec or a stream into the container: the pod must
+    /// be ready (its monitor holds the container's processes); the monitor checks the
+    /// container runs.
+    pub(super) fn exec_target(&self, id: &str) -> Result<(ContainerRecord, PodRecord)> {
         let c = self.container_record(id)?;
         let pod = self.pod_of(&c)?;
         if pod.state != PodState::Ready {
+            let why = if c.state == ContainerState::Unknown {
+                "its pod's monitor is gone".to_string()
+            } else {
+                format!("its pod {} is not ready", pod.id)
+            };
             return Err(Error::FailedPrecondition(format!(
-                "container {} is not running: its pod {} is not ready",
-                c.id, pod.id
+                "container {} is not running: {why}",
+                c.id
             )));
         }
         Ok((c, pod))
@@ -69,7 +75,7 @@ impl Runtime {
 
     /// Starts `req.cmd` in the container (see `Backend::exec`).
     pub async fn exec_stream(&self, req: ExecRequest) -> Result<Session> {
-        let (c, pod) = self.stream_target(&req.container_id)?;
+        let (c, pod) = self.exec_target(&req.container_id)?;
         if req.cmd.is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "exec in container {}: the command is empty",
@@ -96,7 +102,7 @@ impl Runtime {
 
     /// Joins the container's stdio (see `Backend::attach`).
     pub async fn attach(&self, req: AttachRequest) -> Result<Session> {
-        let (c, pod) = self.stream_target(&req.container_id)?;
+        let (c, pod) = self.exec_target(&req.container_id)?;
         // The terminal is the container's: its config decides, not the request.
         let tty = c.spec.tty;
         let call = pb::AttachRequest {

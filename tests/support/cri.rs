@@ -386,3 +386,16 @@ pub async fn container_stats(rt: &mut Rt, id: &str) -> cri::ContainerStats {
     .stats
     .unwrap()
 }
+
+/// The pod's state as ListPodSandbox reports it.
+pub async fn pod_state(rt: &mut Rt, pod: &str) -> i32 {
+    rt.list_pod_sandbox(cri::ListPodSandboxRequest::default())
+        .await
+        .expect("ListPodSandbox")
+        .into_inner()
+        .items
+        .into_iter()
+        .find(|i| i.id == pod)
+        .expect("the pod is listed")
+        .state
+}
