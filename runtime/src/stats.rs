@@ -1,7 +1,14 @@
-//! A container's cgroup through libcgroups (v1, hybrid and v2): usage readings, and resource
-//! limits changed while it runs.
+//! A container's cgroup (v1, hybrid and v2): usage readings, read from the few files they
+//! come from, and resource limits changed while it runs, through libcgroups.
+//!
+//! Why readings do not go through libcgroups: its manager finds each controller's mount by
+//! parsing /proc/self/mountinfo again, once per controller, every time one is made, and a
+//! node's mountinfo grows with its pods (overlays, namespace pins). At 250 pods a
+//! ListContainerStats spent over a second there. The mounts are found once here.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use libcgroups::common::{create_cgroup_manager, CgroupConfig, CgroupManager, ControllerOpt};
 
@@ -71,30 +78,165 @@ fn manager(
     .map_err(|e| cgroup_error(cgroups_path, e, op))
 }
 
+/// Where the controllers a reading needs are mounted.
+#[derive(Debug, Clone, PartialEq)]
+enum Layout {
+    /// Pure cgroup v2: one hierarchy.
+    V2(PathBuf),
+    /// v1 or hybrid (libcontainer puts containers in the v1 hierarchies there): the
+    /// hierarchies of `cpuacct`, `memory` and `pids`, those mounted.
+    V1(HashMap<String, PathBuf>),
+}
+
+/// The node's layout, found at the first reading (cgroup mounts do not move under a running
+/// node; libcontainer relies on the same).
+fn layout() -> &'static Layout {
+    static LAYOUT: OnceLock<Layout> = OnceLock::new();
+    LAYOUT.get_or_init(|| {
+        let root = Path::new(CGROUP_ROOT);
+        if root.join("cgroup.controllers").exists() {
+            return Layout::V2(root.to_path_buf());
+        }
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        Layout::V1(v1_mounts(&mountinfo))
+    })
+}
+
+/// The mount point of each v1 controller a reading uses, from mountinfo's text: the
+/// `cgroup` mounts, by the controllers in their super options (`rw,cpu,cpuacct`).
+fn v1_mounts(mountinfo: &str) -> HashMap<String, PathBuf> {
+    let mut found = HashMap::new();
+    for line in mountinfo.lines() {
+        // ID PARENT MAJ:MIN ROOT MOUNT_POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS
+        let Some((head, tail)) = line.split_once(" - ") else {
+            continue;
+        };
+        let mut tail = tail.split(' ');
+        let (Some("cgroup"), Some(_), Some(opts)) = (tail.next(), tail.next(), tail.next()) else {
+            continue;
+        };
+        let Some(mount_point) = head.split(' ').nth(4) else {
+            continue;
+        };
+        for c in opts.split(',') {
+            if matches!(c, "cpuacct" | "memory" | "pids") {
+                // The first mount of a hierarchy is the one libcontainer uses too.
+                found
+                    .entry(c.to_string())
+                    .or_insert_with(|| PathBuf::from(unescape_mountinfo(mount_point)));
+            }
+        }
+    }
+    found
+}
+
+/// mountinfo writes space, tab, newline and backslash in paths as octal escapes (`\040`).
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|d| (b'0'..=b'7').contains(d))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// Reads the cgroup at `cgroups_path` (as in the OCI spec, e.g. `/kubepods/pod1/hako-<id>`).
 pub fn sample(cgroups_path: &str) -> Result<Sample> {
-    let cm = manager(cgroups_path, read_error)?;
-    // libcgroups passes cgroup v2's cpu.stat usage_usec through as is (microseconds); v1's
-    // cpuacct.usage is nanoseconds.
-    let cpu_scale = match cm {
-        libcgroups::common::AnyCgroupManager::V2(_) => 1000,
-        _ => 1,
+    read_sample(layout(), cgroups_path).map_err(|e| cgroup_error(cgroups_path, e, read_error))
+}
+
+/// One reading under `layout`. A controller whose file is absent counts 0 (a v2 cgroup whose
+/// parent does not delegate it, a v1 node without a pids hierarchy), as libcgroups reads only
+/// what is enabled; a cgroup that is not there at all is an error.
+fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
+    let rel = cgroups_path.trim_start_matches('/');
+    let (cpu_usage_ns, usage, stat, pids) = match layout {
+        Layout::V2(root) => {
+            let dir = root.join(rel);
+            // cpu.stat's usage_usec is there whether or not the cpu controller is enabled.
+            let cpu = std::fs::read_to_string(dir.join("cpu.stat"))?;
+            let usec = stat_value(&cpu, "usage_usec").unwrap_or(0);
+            (
+                usec.saturating_mul(1000),
+                read_u64(&dir.join("memory.current"))?,
+                read_optional(&dir.join("memory.stat"))?,
+                read_u64(&dir.join("pids.current"))?,
+            )
+        }
+        Layout::V1(mounts) => {
+            let dir = |c: &str| mounts.get(c).map(|m| m.join(rel));
+            let cpuacct = dir("cpuacct").ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no cpuacct hierarchy")
+            })?;
+            let ns = std::fs::read_to_string(cpuacct.join("cpuacct.usage"))?;
+            let memory = dir("memory");
+            let pids = dir("pids");
+            (
+                ns.trim().parse().unwrap_or(0),
+                match &memory {
+                    Some(m) => read_u64(&m.join("memory.usage_in_bytes"))?,
+                    None => 0,
+                },
+                match &memory {
+                    Some(m) => read_optional(&m.join("memory.stat"))?,
+                    None => String::new(),
+                },
+                match &pids {
+                    Some(p) => read_u64(&p.join("pids.current"))?,
+                    None => 0,
+                },
+            )
+        }
     };
-    let st = cm
-        .stats()
-        .map_err(|e| cgroup_error(cgroups_path, e, read_error))?;
-    let m = &st.memory.stats;
     // v1 names its hierarchical counters total_*; v2 has one set.
-    let get = |v1: &str, v2: &str| m.get(v1).or_else(|| m.get(v2)).copied().unwrap_or(0);
-    let usage = st.memory.memory.usage;
+    let get = |v1: &str, v2: &str| {
+        stat_value(&stat, v1)
+            .or_else(|| stat_value(&stat, v2))
+            .unwrap_or(0)
+    };
     Ok(Sample {
-        cpu_usage_ns: st.cpu.usage.usage_total * cpu_scale,
+        cpu_usage_ns,
         memory_usage: usage,
         working_set: usage.saturating_sub(get("total_inactive_file", "inactive_file")),
         rss: get("total_rss", "anon"),
         page_faults: get("total_pgfault", "pgfault"),
         major_page_faults: get("total_pgmajfault", "pgmajfault"),
-        pids: st.pids.current,
+        pids,
+    })
+}
+
+/// A file's text; empty when the file is absent but its directory is there.
+fn read_optional(path: &Path) -> std::io::Result<String> {
+    match std::fs::read_to_string(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && dir_exists(path) => Ok(String::new()),
+        r => r,
+    }
+}
+
+/// A file holding one number; 0 when the file is absent but its directory is there.
+fn read_u64(path: &Path) -> std::io::Result<u64> {
+    Ok(read_optional(path)?.trim().parse().unwrap_or(0))
+}
+
+fn dir_exists(file: &Path) -> bool {
+    file.parent().is_some_and(Path::is_dir)
+}
+
+/// The value of `key` in a flat keyed file (`memory.stat`, `cpu.stat`: `key value` lines).
+fn stat_value(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
     })
 }
 
@@ -168,5 +310,196 @@ mod tests {
         std::fs::create_dir_all(v1.path().join("pids/kubepods/pod1")).unwrap();
         assert!(cgroup_exists(v1.path(), "/kubepods/pod1"));
         assert!(!cgroup_exists(v1.path(), "/kubepods/pod2"));
+    }
+
+    const MOUNTINFO: &str = "\
+25 30 0:22 / /sys rw,nosuid shared:7 - sysfs sysfs rw
+33 25 0:28 / /sys/fs/cgroup ro,nosuid shared:9 - tmpfs tmpfs ro,mode=755
+34 33 0:29 / /sys/fs/cgroup/unified rw,nosuid shared:10 - cgroup2 cgroup2 rw,nsdelegate
+38 33 0:33 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid shared:15 - cgroup cgroup rw,cpu,cpuacct
+41 33 0:36 / /sys/fs/cgroup/memory rw,nosuid shared:18 - cgroup cgroup rw,memory
+44 33 0:39 / /sys/fs/cgroup/my\\040pids rw,nosuid shared:21 - cgroup cgroup rw,pids
+45 33 0:40 / /sys/fs/cgroup/memory2 rw,nosuid shared:22 - cgroup cgroup rw,memory
+";
+
+    #[test]
+    fn v1_mounts_come_from_the_cgroup_lines_super_options() {
+        let m = v1_mounts(MOUNTINFO);
+        assert_eq!(m.len(), 3, "{m:?}");
+        assert_eq!(m["cpuacct"], Path::new("/sys/fs/cgroup/cpu,cpuacct"));
+        // The first mount of a hierarchy wins.
+        assert_eq!(m["memory"], Path::new("/sys/fs/cgroup/memory"));
+        assert_eq!(m["pids"], Path::new("/sys/fs/cgroup/my pids"));
+    }
+
+    fn write(dir: &Path, files: &[(&str, &str)]) {
+        std::fs::create_dir_all(dir).unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+    }
+
+    #[test]
+    fn v1_and_v2_readings_come_from_their_files() {
+        let t = tempfile::tempdir().unwrap();
+        let c = "kubepods/pod1/hako-c";
+        write(
+            &t.path().join("cpuacct").join(c),
+            &[("cpuacct.usage", "123456789\n")],
+        );
+        write(
+            &t.path().join("memory").join(c),
+            &[
+                ("memory.usage_in_bytes", "1000000\n"),
+                (
+                    "memory.stat",
+                    "cache 7\nrss 1\ninactive_file 2\ntotal_rss 4000\ntotal_inactive_file 300000\ntotal_pgfault 55\ntotal_pgmajfault 5\n",
+                ),
+            ],
+        );
+        write(&t.path().join("pids").join(c), &[("pids.current", "3\n")]);
+        let v1 = Layout::V1(
+            ["cpuacct", "memory", "pids"]
+                .iter()
+                .map(|h| (h.to_string(), t.path().join(h)))
+                .collect(),
+        );
+        let s = read_sample(&v1, &format!("/{c}")).unwrap();
+        assert_eq!(
+            s,
+            Sample {
+                cpu_usage_ns: 123456789,
+                memory_usage: 1000000,
+                working_set: 700000,
+                rss: 4000,
+                page_faults: 55,
+                major_page_faults: 5,
+                pids: 3,
+            }
+        );
+        let v2 = tempfile::tempdir().unwrap();
+        write(
+            &v2.path().join(c),
+            &[
+                (
+                    "cpu.stat",
+                    "usage_usec 250\nuser_usec 200\nsystem_usec 50\n",
+                ),
+                ("memory.current", "2000\n"),
+                (
+                    "memory.stat",
+                    "anon 900\nfile 1000\ninactive_file 600\npgfault 9\npgmajfault 1\n",
+                ),
+                ("pids.current", "2\n"),
+            ],
+        );
+        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), c).unwrap();
+        assert_eq!(
+            s,
+            Sample {
+                cpu_usage_ns: 250_000,
+                memory_usage: 2000,
+                working_set: 1400,
+                rss: 900,
+                page_faults: 9,
+                major_page_faults: 1,
+                pids: 2,
+            }
+        );
+        // A v2 cgroup whose parent delegates no memory or pids controller: zeros, no error.
+        write(&v2.path().join("bare"), &[("cpu.stat", "usage_usec 1\n")]);
+        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), "/bare").unwrap();
+        assert_eq!((s.cpu_usage_ns, s.memory_usage, s.pids), (1000, 0, 0));
+        // A cgroup that is not there is an error, on either layout.
+        assert!(read_sample(&v1, "/kubepods/gone").is_err());
+        assert!(read_sample(&Layout::V2(v2.path().to_path_buf()), "/gone").is_err());
+    }
+
+    /// The files read here against libcgroups' own reading of a real cgroup of this node,
+    /// holding one process.
+    #[test]
+    fn readings_match_libcgroups_on_a_real_cgroup() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("SKIPPED readings_match_libcgroups_on_a_real_cgroup: needs root");
+            return;
+        }
+        let path = format!("/hako-stats-test-{}", std::process::id());
+        let dirs: Vec<PathBuf> = match layout() {
+            Layout::V2(root) => vec![root.join(&path[1..])],
+            // libcgroups reads every v1 hierarchy: the cgroup is made in each.
+            Layout::V1(_) => std::fs::read_to_string("/proc/self/mountinfo")
+                .unwrap()
+                .lines()
+                .filter_map(|l| {
+                    let (head, tail) = l.split_once(" - ")?;
+                    let mount_point = head.split(' ').nth(4)?;
+                    tail.starts_with("cgroup ")
+                        .then(|| Path::new(mount_point).join(&path[1..]))
+                })
+                .collect(),
+        };
+        // A shell that spins once it reads a line: it burns CPU in the cgroup, then is stopped
+        // so that both readings see the same counters.
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "read x; while :; do :; done"])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let read = match layout() {
+            Layout::V2(root) => vec![root.join(&path[1..])],
+            Layout::V1(m) => m.values().map(|h| h.join(&path[1..])).collect(),
+        };
+        for d in &dirs {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        // Only where the readings come from (a cpuset cgroup takes no task before its cpus).
+        for d in &read {
+            std::fs::write(d.join("cgroup.procs"), child.id().to_string()).unwrap();
+        }
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while sample(&path).map_or(0, |s| s.cpu_usage_ns) < 10_000_000 {
+            assert!(std::time::Instant::now() < deadline, "the shell never spun");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+        while !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap()
+            .rsplit_once(") ")
+            .is_some_and(|(_, r)| r.starts_with('T'))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the shell never stopped"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let ours = sample(&path);
+        let theirs = manager(&path, read_error).unwrap().stats();
+        let _ = child.kill();
+        let _ = child.wait();
+        for d in &dirs {
+            let _ = std::fs::remove_dir(d);
+        }
+        let (ours, theirs) = (ours.unwrap(), theirs.unwrap());
+        assert_eq!(ours.pids, theirs.pids.current);
+        assert_eq!(ours.pids, 1);
+        // Stopped: both read the same counter.
+        let scale = if matches!(layout(), Layout::V2(_)) {
+            1000
+        } else {
+            1
+        };
+        assert_eq!(ours.cpu_usage_ns, theirs.cpu.usage.usage_total * scale);
+        assert_eq!(ours.memory_usage, theirs.memory.memory.usage);
+        let m = &theirs.memory.stats;
+        let rss = m
+            .get("total_rss")
+            .or_else(|| m.get("anon"))
+            .copied()
+            .unwrap_or(0);
+        assert_eq!(ours.rss, rss);
     }
 }
