@@ -12,6 +12,7 @@ pkgs=(
   containernetworking-plugins iptables iproute2  # CNI plugins in /usr/lib/cni (portmap needs iptables)
   systemd                                        # tests: systemd-analyze verify of the unit
   libc6-dev apparmor                             # tests: static seccomp probe (cc -static); AppArmor profile syntax
+  tmux                                           # tests: crictl exec -it in a terminal that is resized
 )
 missing=()
 installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }

@@ -870,3 +870,159 @@ async fn crictl_exec_attach_port_forward() {
     c.ok(&["stopp", &p.pod]);
     c.ok(&["rmp", &p.pod]);
 }
+
+/// A tmux server on its own socket, without a status line (so a pane is the window's size);
+/// killed with everything in it when dropped.
+struct Tmux {
+    sock: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Tmux {
+    fn new() -> Tmux {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tmux.conf"), "set -g status off\n").unwrap();
+        Tmux {
+            sock: dir.path().join("tmux.sock"),
+            _dir: dir,
+        }
+    }
+
+    fn run(&self, args: &[&str]) -> String {
+        let conf = self.sock.with_file_name("tmux.conf");
+        let out = Command::new("tmux")
+            .arg("-S")
+            .arg(&self.sock)
+            .arg("-f")
+            .arg(&conf)
+            .args(args)
+            .output()
+            .expect("run tmux");
+        assert!(
+            out.status.success(),
+            "tmux {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Types `line` and Enter into the pane.
+    fn type_line(&self, line: &str) {
+        self.run(&["send-keys", "-t", "t", "-l", line]);
+        self.run(&["send-keys", "-t", "t", "Enter"]);
+    }
+
+    /// The pane's text, scrollback included.
+    fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p", "-J", "-t", "t", "-S", "-"])
+    }
+
+    /// Waits until a line of the pane starts with `prefix`; returns that line.
+    async fn wait_line(&self, what: &str, prefix: &str) -> String {
+        let mut line = None;
+        let mut screen = String::new();
+        let found = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            loop {
+                screen = self.screen();
+                line = screen
+                    .lines()
+                    .find(|l| l.starts_with(prefix))
+                    .map(str::to_string);
+                if line.is_some() {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(
+            found.is_ok(),
+            "timed out after 30s waiting for {what} (a line starting {prefix:?}); pane:\n{screen}"
+        );
+        line.unwrap()
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .arg("-S")
+            .arg(&self.sock)
+            .arg("kill-server")
+            .output();
+    }
+}
+
+/// `crictl exec -it <ctr> sh` in a tmux window, as a person runs it: the shell answers, sees
+/// the window's size, follows a resize of the window mid-session, and its exit code comes
+/// back through crictl; over SPDY and WebSocket.
+#[tokio::test(flavor = "multi_thread")]
+async fn crictl_exec_tty_resize_in_tmux() {
+    if !support::e2e_ready(&["tmux"]) {
+        return;
+    }
+    let net = TestNet::new();
+    let Some((_reg, h, image)) = streaming_hako(&net).await else {
+        return;
+    };
+    let p = StreamPod::start(&h, &image).await;
+    let before = p.fds();
+    for transport in ["spdy", "websocket"] {
+        let tmux = Tmux::new();
+        let inner = p.c.line(&["exec", "-r", transport, "-it", &p.shell, "sh"]);
+        // The pane lives on after crictl (a sleep) so its exit code can be read from it.
+        tmux.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            "t",
+            "-x",
+            "120",
+            "-y",
+            "40",
+            &format!("{inner}; echo crictl-exit=$?; exec sleep 600"),
+        ]);
+        // The answers are computed in the shell, so the typed command line never matches.
+        tmux.type_line("echo hi-$((6*7))");
+        tmux.wait_line("the shell's answer", "hi-42").await;
+        tmux.type_line("echo size0-$(stty size | tr ' ' x)");
+        let first = tmux.wait_line("the first TTY size", "size0-").await;
+        assert_eq!(first, "size0-40x120", "{transport}: {}", tmux.screen());
+
+        tmux.run(&["resize-window", "-t", "t", "-x", "100", "-y", "30"]);
+        // The new size reaches the shell's TTY some time after tmux resized crictl's: ask
+        // again until it shows, or the deadline fails the test.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let mut n = 1;
+        loop {
+            tmux.type_line(&format!("echo size{n}-$(stty size | tr ' ' x)"));
+            let line = tmux
+                .wait_line("the TTY size after the resize", &format!("size{n}-"))
+                .await;
+            if line == format!("size{n}-30x100") {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{transport}: the shell's TTY did not follow the window's resize to 30x100 \
+                 within 30s: {line}; pane:\n{}",
+                tmux.screen()
+            );
+            n += 1;
+        }
+
+        tmux.type_line("exit 7");
+        let exit = tmux.wait_line("crictl to exit", "crictl-exit=").await;
+        // crictl exits 1 on a streamed exec's non-zero exit, naming the code the server sent
+        // (client-go's message).
+        let screen = tmux.screen();
+        assert!(
+            exit == "crictl-exit=1" && screen.contains("command terminated with exit code 7"),
+            "{transport}: {exit}; pane:\n{screen}"
+        );
+        drop(tmux);
+        fds_back("exec -it in tmux", &p.pids, &before).await;
+    }
+    p.c.ok(&["stopp", &p.pod]);
+    p.c.ok(&["rmp", &p.pod]);
+}
