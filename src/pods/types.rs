@@ -152,6 +152,10 @@ pub struct ContainerSpecReq {
     pub attempt: u32,
     /// The image as the request names it.
     pub image: String,
+    /// The image as the pod spec names it (CRI `user_specified_image`): kubelet names the image
+    /// by its ID in `image` and compares the status' image with the pod spec's.
+    #[serde(default)]
+    pub user_image: String,
     pub command: Vec<String>,
     pub args: Vec<String>,
     pub working_dir: String,

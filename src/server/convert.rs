@@ -204,7 +204,12 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
     ContainerSpecReq {
         name: md.name,
         attempt: md.attempt,
-        image: c.image.map(|i| i.image).unwrap_or_default(),
+        image: c
+            .image
+            .as_ref()
+            .map(|i| i.image.clone())
+            .unwrap_or_default(),
+        user_image: c.image.map(|i| i.user_specified_image).unwrap_or_default(),
         command: c.command,
         args: c.args,
         working_dir: c.working_dir,
@@ -358,10 +363,7 @@ pub fn container_status(v: &ContainerView) -> cri::ContainerStatus {
         started_at: v.started_at,
         finished_at,
         exit_code,
-        image: Some(cri::ImageSpec {
-            image: r.spec.image.clone(),
-            ..Default::default()
-        }),
+        image: Some(status_image(&r.spec)),
         image_ref: r.image_ref.clone(),
         reason,
         message: r.start_error.clone().unwrap_or_default(),
@@ -399,6 +401,23 @@ pub fn container_status(v: &ContainerView) -> cri::ContainerStatus {
                 supplemental_groups: u.groups.iter().map(|g| *g as i64).collect(),
             }),
         }),
+    }
+}
+
+/// The image of a container's status: the name the pod spec gave, as containerd and CRI-O
+/// report a name. kubelet creates containers from the image ID and sets the status' `image`
+/// from this answer; the status must read as the pod spec's image (an update of the spec's image
+/// is seen done when they are equal).
+fn status_image(spec: &ContainerSpecReq) -> cri::ImageSpec {
+    let image = if spec.user_image.is_empty() {
+        &spec.image
+    } else {
+        &spec.user_image
+    };
+    cri::ImageSpec {
+        image: image.clone(),
+        user_specified_image: spec.user_image.clone(),
+        ..Default::default()
     }
 }
 
@@ -500,7 +519,7 @@ pub fn pod_stats(
         linux: Some(cri::LinuxPodSandboxStats {
             cpu,
             memory,
-            network: network.map(|ifaces| net_usage(u.timestamp, ifaces)),
+            network: network.and_then(|ifaces| net_usage(u.timestamp, ifaces)),
             process: u.sample.map(|s| cri::ProcessUsage {
                 timestamp: u.timestamp,
                 process_count: u64v(s.pids),
@@ -511,8 +530,10 @@ pub fn pod_stats(
     }
 }
 
-/// The pod's interfaces; the default one is the interface hako's CNI call names.
-fn net_usage(timestamp: i64, ifaces: &[crate::pods::NetCounters]) -> cri::NetworkUsage {
+/// The pod's interfaces; the default one is the interface hako's CNI call names. None without
+/// that interface: kubelet reads the default interface of any network usage it is given
+/// (a nil one crashed kubelet 1.37's eviction manager).
+fn net_usage(timestamp: i64, ifaces: &[crate::pods::NetCounters]) -> Option<cri::NetworkUsage> {
     let usage = |c: &crate::pods::NetCounters| cri::NetworkInterfaceUsage {
         name: c.name.clone(),
         rx_bytes: u64v(c.rx_bytes),
@@ -520,19 +541,68 @@ fn net_usage(timestamp: i64, ifaces: &[crate::pods::NetCounters]) -> cri::Networ
         tx_bytes: u64v(c.tx_bytes),
         tx_errors: u64v(c.tx_errors),
     };
-    cri::NetworkUsage {
+    let default = ifaces.iter().find(|c| c.name == crate::network::IFNAME)?;
+    Some(cri::NetworkUsage {
         timestamp,
-        default_interface: ifaces
-            .iter()
-            .find(|c| c.name == crate::network::IFNAME)
-            .map(usage),
+        default_interface: Some(usage(default)),
         interfaces: ifaces.iter().map(usage).collect(),
-    }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn network_usage_always_has_its_default_interface() {
+        let iface = |name: &str, rx: u64| crate::pods::NetCounters {
+            name: name.into(),
+            rx_bytes: rx,
+            rx_errors: 0,
+            tx_bytes: 1,
+            tx_errors: 0,
+        };
+        // A pod whose netns has no eth0 (only loopback): no network usage at all.
+        let usage = net_usage(7, &[iface("lo", 5)]);
+        assert!(
+            usage.as_ref().is_none_or(|u| u.default_interface.is_some()),
+            "network usage without a default interface: {usage:?}"
+        );
+        let u = net_usage(7, &[iface("lo", 5), iface(crate::network::IFNAME, 9)]).unwrap();
+        let d = u.default_interface.unwrap();
+        assert_eq!((d.name.as_str(), d.rx_bytes.unwrap().value), ("eth0", 9));
+        assert_eq!(u.interfaces.len(), 2);
+        assert_eq!(u.timestamp, 7);
+    }
+
+    #[test]
+    fn a_container_status_names_the_image_as_the_pod_spec_does() {
+        let config = |image: &str, user: &str| cri::ContainerConfig {
+            image: Some(cri::ImageSpec {
+                image: image.into(),
+                user_specified_image: user.into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let id = "sha256:7def0b33c7739046f2a81c7b6a2c2799560e389243f18246f4dce8e041781eee";
+        let spec = container_req(config(
+            id,
+            "registry.k8s.io/e2e-test-images/busybox:1.37.0-2",
+        ));
+        assert_eq!(spec.image, id, "the image the container is made from");
+        let st = status_image(&spec);
+        assert_eq!(st.image, "registry.k8s.io/e2e-test-images/busybox:1.37.0-2");
+        assert_eq!(
+            st.user_specified_image,
+            "registry.k8s.io/e2e-test-images/busybox:1.37.0-2"
+        );
+        // Without a user-specified image (crictl, older kubelets): the one requested.
+        assert_eq!(
+            status_image(&container_req(config("busybox:1", ""))).image,
+            "busybox:1"
+        );
+    }
 
     #[test]
     fn apparmor_request_from_the_typed_field_or_the_string() {
