@@ -244,6 +244,9 @@ impl Config {
         if self.streaming.idle_timeout_secs == 0 {
             return Err("streaming.idle_timeout_secs must be at least 1".into());
         }
+        if self.streaming.idle_timeout_secs > 7 * 24 * 3600 {
+            return Err("streaming.idle_timeout_secs must be at most 604800 (7 days)".into());
+        }
         if self.streaming.tls_cert_file.is_some() != self.streaming.tls_key_file.is_some() {
             return Err("streaming.tls_cert_file and streaming.tls_key_file go together".into());
         }

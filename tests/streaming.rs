@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use hako::config::StreamingConfig;
 use hako::error::{Error, Result};
+use hako::streaming::spdy::{self, Codec, Frame};
 use hako::streaming::{
     AttachRequest, Backend, BoxRead, BoxWrite, ExecRequest, Session, Streaming, TermSize,
 };
@@ -751,4 +752,545 @@ async fn tls_when_a_certificate_is_configured() {
         );
     }
     nothing_left(&host, &server).await;
+}
+
+/// A raw SPDY client: the upgrade by hand, then frames as the test writes them, as a hostile
+/// client would send them. The server's frames are decoded by a task, in order.
+struct RawSpdy {
+    wr: tokio::net::tcp::OwnedWriteHalf,
+    codec: Codec,
+    /// Closed when the server closes the connection.
+    frames: tokio::sync::mpsc::UnboundedReceiver<Frame>,
+}
+
+impl RawSpdy {
+    async fn connect(url: &str, proto: &str) -> RawSpdy {
+        let addr = url.split('/').nth(2).unwrap().to_string();
+        let (mut rd, mut wr) = tokio::net::TcpStream::connect(&addr)
+            .await
+            .unwrap()
+            .into_split();
+        let req = format!(
+            "POST {} HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n\
+             X-Stream-Protocol-Version: {proto}\r\n\r\n",
+            path_of(url)
+        );
+        wr.write_all(req.as_bytes()).await.unwrap();
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            let n = rd.read(&mut b).await.unwrap();
+            assert_eq!(
+                n,
+                1,
+                "answer cut short: {:?}",
+                String::from_utf8_lossy(&head)
+            );
+            head.push(b[0]);
+        }
+        let head = String::from_utf8_lossy(&head).to_string();
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut codec = Codec::new();
+            while let Ok(Some((h, p))) = spdy::read_frame(&mut rd).await {
+                let Ok(f) = codec.decode(h, &p) else { break };
+                if tx.send(f).is_err() {
+                    break;
+                }
+            }
+        });
+        RawSpdy {
+            wr,
+            codec: Codec::new(),
+            frames,
+        }
+    }
+
+    async fn send(&mut self, f: Frame) -> std::io::Result<()> {
+        let bytes = self.codec.encode(&f).unwrap();
+        self.wr.write_all(&bytes).await
+    }
+
+    async fn open(&mut self, stream: u32, headers: &[(&str, &str)]) {
+        let headers = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        self.send(Frame::SynStream {
+            stream,
+            associated: 0,
+            priority: 0,
+            flags: 0,
+            headers,
+        })
+        .await
+        .unwrap();
+    }
+
+    /// A port-forward stream (`error` or `data`) of request `id` to `port`.
+    async fn open_forward(&mut self, stream: u32, kind: &str, id: &str, port: u16) {
+        let port = port.to_string();
+        self.open(
+            stream,
+            &[("streamtype", kind), ("requestid", id), ("port", &port)],
+        )
+        .await;
+    }
+
+    async fn data(&mut self, stream: u32, data: &[u8], fin: bool) {
+        self.send(Frame::Data {
+            stream,
+            fin,
+            data: bytes::Bytes::copy_from_slice(data),
+        })
+        .await
+        .unwrap();
+    }
+
+    /// The next frame from the server; `None` once it closed the connection.
+    async fn next(&mut self, what: &str) -> Option<Frame> {
+        tokio::time::timeout(WAIT, self.frames.recv())
+            .await
+            .unwrap_or_else(|_| panic!("timed out after {WAIT:?} waiting for {what}"))
+    }
+
+    /// Reads frames until `done` says so; fails when the server closes first.
+    async fn until(&mut self, what: &str, mut done: impl FnMut(&Frame) -> bool) {
+        loop {
+            match self.next(what).await {
+                Some(f) if done(&f) => return,
+                Some(_) => {}
+                None => panic!("the server closed the connection while waiting for {what}"),
+            }
+        }
+    }
+
+    /// What the server sends on `stream` up to its end, and whether it was reset.
+    async fn read_stream(&mut self, stream: u32, what: &str) -> (String, bool) {
+        let mut text = Vec::new();
+        let mut reset = false;
+        self.until(what, |f| match f {
+            Frame::Data {
+                stream: s,
+                fin,
+                data,
+            } if *s == stream => {
+                text.extend_from_slice(data);
+                *fin
+            }
+            Frame::RstStream { stream: s, .. } if *s == stream => {
+                reset = true;
+                true
+            }
+            _ => false,
+        })
+        .await;
+        (String::from_utf8_lossy(&text).into(), reset)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_spdy_frames_close_the_connection() {
+    let host = Arc::new(Host::default());
+    let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
+    let url = server.port_forward_url("pod1").unwrap();
+    let mut c = RawSpdy::connect(&url, "portforward.k8s.io").await;
+    // A DATA frame announcing 16 MiB - 1 bytes (all SPDY's length field holds), the start of it.
+    let mut frame = vec![0, 0, 0, 1, 0, 0xff, 0xff, 0xff];
+    frame.extend(vec![0u8; 64 * 1024]);
+    // The server may close before all is written.
+    let _ = c.wr.write_all(&frame).await;
+    // No frame comes back: the connection is closed.
+    assert_eq!(c.next("the server to close the connection").await, None);
+    drop(c);
+    nothing_left(&host, &server).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpaired_port_forward_streams_are_reset_after_the_pairing_timeout() {
+    let host = Arc::new(Host::default());
+    let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
+    let (port, _) = echo_server().await;
+    let url = server.port_forward_url("pod1").unwrap();
+    let mut c = RawSpdy::connect(&url, "portforward.k8s.io").await;
+    // Request 1 sends only its error stream, request 2 only its data stream.
+    c.open_forward(1, "error", "1", port).await;
+    c.open_forward(3, "data", "2", port).await;
+    // A complete pair beside them forwards as usual.
+    c.open_forward(5, "error", "3", port).await;
+    c.open_forward(7, "data", "3", port).await;
+    c.data(7, b"hello", false).await;
+    let mut echoed = Vec::new();
+    c.until("the echo of the complete pair", |f| {
+        if let Frame::Data {
+            stream: 7, data, ..
+        } = f
+        {
+            echoed.extend_from_slice(data);
+        }
+        echoed == b"hello"
+    })
+    .await;
+    // After the pairing timeout (kubelet's 30 s): the error stream says why, both are reset.
+    let (mut message, mut resets) = (Vec::new(), Vec::new());
+    let wait = hako::streaming::STREAM_CREATION_TIMEOUT + WAIT;
+    tokio::time::timeout(wait, async {
+        while resets.len() < 2 {
+            match c.frames.recv().await {
+                Some(Frame::Data {
+                    stream: 1, data, ..
+                }) => message.extend_from_slice(&data),
+                Some(Frame::RstStream { stream, .. }) => resets.push(stream),
+                Some(_) => {}
+                None => panic!("the server closed the connection"),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("unpaired streams not reset after {wait:?}; resets {resets:?}"));
+    resets.sort();
+    assert_eq!(resets, [1, 3]);
+    let message = String::from_utf8_lossy(&message);
+    assert!(
+        message.contains(&format!("error forwarding port {port} to pod pod1"))
+            && message.contains("timed out")
+            && message.contains("data stream of request 1"),
+        "{message}"
+    );
+    // The complete pair still forwards.
+    c.data(7, b"again", false).await;
+    let mut echoed = Vec::new();
+    c.until("the echo of the complete pair after the resets", |f| {
+        if let Frame::Data {
+            stream: 7, data, ..
+        } = f
+        {
+            echoed.extend_from_slice(data);
+        }
+        echoed == b"again"
+    })
+    .await;
+    drop(c);
+    nothing_left(&host, &server).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_port_forwards_are_limited_per_connection() {
+    const MAX: usize = hako::streaming::MAX_FORWARDS;
+    let host = Arc::new(Host::default());
+    let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
+    let (port, open) = echo_server().await;
+    let url = server.port_forward_url("pod1").unwrap();
+    let mut c = RawSpdy::connect(&url, "portforward.k8s.io").await;
+    let error_of = |i: usize| 4 * i as u32 + 1;
+    let data_of = |i: usize| 4 * i as u32 + 3;
+    for i in 0..MAX {
+        c.open_forward(error_of(i), "error", &i.to_string(), port)
+            .await;
+        c.open_forward(data_of(i), "data", &i.to_string(), port)
+            .await;
+    }
+    support::wait_for("every allowed forward to connect", WAIT, || {
+        open.load(Ordering::SeqCst) == MAX
+    })
+    .await;
+    // One more is refused: its error stream names the port and the cause, both are reset.
+    c.open_forward(error_of(MAX), "error", "over", port).await;
+    c.open_forward(data_of(MAX), "data", "over", port).await;
+    let (message, reset) = c
+        .read_stream(error_of(MAX), "the refused request's error stream")
+        .await;
+    assert!(reset, "the refused error stream is reset");
+    assert!(
+        message.contains(&format!("error forwarding port {port} to pod pod1"))
+            && message.contains(&format!("{MAX} port forwards are open")),
+        "{message}"
+    );
+    c.until(
+        "the refused data stream's reset",
+        |f| matches!(f, Frame::RstStream { stream, .. } if *stream == data_of(MAX)),
+    )
+    .await;
+    assert_eq!(open.load(Ordering::SeqCst), MAX);
+    // One forward ends (the client closes its data stream, the pod's side then closes): the
+    // next request is served.
+    c.data(data_of(0), b"", true).await;
+    let (_, reset) = c.read_stream(error_of(0), "the first forward's end").await;
+    assert!(!reset);
+    c.open_forward(error_of(MAX + 1), "error", "next", port)
+        .await;
+    c.open_forward(data_of(MAX + 1), "data", "next", port).await;
+    c.data(data_of(MAX + 1), b"hello", false).await;
+    let mut echoed = Vec::new();
+    c.until("the echo through the next forward", |f| {
+        if let Frame::Data { stream, data, .. } = f {
+            if *stream == data_of(MAX + 1) {
+                echoed.extend_from_slice(data);
+            }
+        }
+        echoed == b"hello"
+    })
+    .await;
+    drop(c);
+    support::wait_for("forwarded connections to close", WAIT, || {
+        open.load(Ordering::SeqCst) == 0
+    })
+    .await;
+    nothing_left(&host, &server).await;
+}
+
+/// An upgraded connection to `url` with `headers`, its halves. The socket's receive buffer is
+/// `rcvbuf` bytes when given: a small one keeps the kernel (here up to 32 MiB) from absorbing
+/// what a slow client does not read, so the server's own queue fills.
+async fn upgrade(
+    url: &str,
+    headers: &[(&str, &str)],
+    rcvbuf: Option<u32>,
+) -> (
+    tokio::net::tcp::OwnedReadHalf,
+    tokio::net::tcp::OwnedWriteHalf,
+) {
+    let addr: std::net::SocketAddr = url.split('/').nth(2).unwrap().parse().unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    if let Some(n) = rcvbuf {
+        socket.set_recv_buffer_size(n).unwrap();
+    }
+    let (mut rd, mut wr) = socket.connect(addr).await.unwrap().into_split();
+    let mut req = format!(
+        "POST {} HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\n",
+        path_of(url)
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    wr.write_all(req.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = rd.read(&mut b).await.unwrap();
+        assert_eq!(
+            n,
+            1,
+            "answer cut short: {:?}",
+            String::from_utf8_lossy(&head)
+        );
+        head.push(b[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_string();
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    (rd, wr)
+}
+
+/// A client reading slower than the command writes, to the end (its receive buffer small, so
+/// the kernel does not absorb the output): it still gets all the output, the exit status and
+/// the end of the connection, over SPDY and WebSocket. The hang this once had (the last frame
+/// queued while the writer was not polled) depends on the queue being exactly full at the
+/// session's end, which the kernel's batched wakeups make rare here; the unit tests in
+/// `conn.rs` and `remote.rs` reproduce it deterministically.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_still_gets_the_exit_status() {
+    const SIZE: usize = 16 << 20;
+    const RCVBUF: Option<u32> = Some(16 * 1024);
+    let pause = || tokio::time::sleep(Duration::from_millis(2));
+    let host = Arc::new(Host::default());
+    let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
+    let cmd = format!("head -c {SIZE} /dev/zero; exit 5");
+    let check = |what: &str, out: usize, status: &[u8]| {
+        let status = String::from_utf8_lossy(status);
+        assert_eq!(out, SIZE, "{what}: output");
+        assert!(
+            status.contains("NonZeroExitCode") && status.contains("exit status 5"),
+            "{what}: {status}"
+        );
+    };
+
+    // SPDY, v4: streams error, stdout, stderr; one frame read per pause.
+    let url = server.exec_url(exec_req(&cmd, false, false)).unwrap();
+    let (mut rd, mut wr) = upgrade(
+        &url,
+        &[
+            ("Upgrade", "SPDY/3.1"),
+            ("X-Stream-Protocol-Version", "v4.channel.k8s.io"),
+        ],
+        RCVBUF,
+    )
+    .await;
+    let mut enc = Codec::new();
+    for (stream, kind) in [(1, "error"), (3, "stdout"), (5, "stderr")] {
+        let syn = enc
+            .encode(&Frame::SynStream {
+                stream,
+                associated: 0,
+                priority: 0,
+                flags: 0,
+                headers: vec![("streamtype".into(), kind.into())],
+            })
+            .unwrap();
+        wr.write_all(&syn).await.unwrap();
+    }
+    let (mut out, mut status) = (0, Vec::new());
+    let mut dec = Codec::new();
+    tokio::time::timeout(WAIT, async {
+        while let Some((head, payload)) = spdy::read_frame(&mut rd).await.unwrap() {
+            match dec.decode(head, &payload).unwrap() {
+                Frame::Data {
+                    stream: 3, data, ..
+                } => out += data.len(),
+                Frame::Data {
+                    stream: 1, data, ..
+                } => status.extend_from_slice(&data),
+                _ => {}
+            }
+            pause().await;
+        }
+    })
+    .await
+    .expect("the slow SPDY client to get the session's end");
+    check("spdy", out, &status);
+    drop((rd, wr));
+
+    // WebSocket, v5: one message read per pause.
+    let url = server.exec_url(exec_req(&cmd, false, false)).unwrap();
+    let (mut rd, wr) = upgrade(
+        &url,
+        &[
+            ("Upgrade", "websocket"),
+            ("Sec-WebSocket-Version", "13"),
+            ("Sec-WebSocket-Key", "dGhlIHNhbXBsZSBub25jZQ=="),
+            ("Sec-WebSocket-Protocol", "v5.channel.k8s.io"),
+        ],
+        RCVBUF,
+    )
+    .await;
+    let (mut out, mut status) = (0, Vec::new());
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let mut head = [0u8; 2];
+            rd.read_exact(&mut head).await.unwrap();
+            let len = match head[1] & 0x7f {
+                126 => rd.read_u16().await.unwrap() as usize,
+                127 => rd.read_u64().await.unwrap() as usize,
+                n => n as usize,
+            };
+            let mut payload = vec![0u8; len];
+            rd.read_exact(&mut payload).await.unwrap();
+            match (head[0] & 0x0f, payload.split_first()) {
+                (0x8, _) => return,
+                (0x2, Some((1, data))) => out += data.len(),
+                (0x2, Some((3, data))) => status.extend_from_slice(data),
+                _ => {}
+            }
+            pause().await;
+        }
+    })
+    .await
+    .expect("the slow WebSocket client to get the session's end");
+    check("websocket", out, &status);
+    drop((rd, wr));
+    nothing_left(&host, &server).await;
+}
+
+/// A `/proc/<pid>/status` figure, in bytes.
+fn proc_status(pid: i32, field: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("{field} in /proc/{pid}/status"));
+    let kb: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// The real daemon: a client that pushes 200 MiB into port-forward streams the daemon cannot
+/// deliver (their pairs never complete) is held back by the connection's budget (the daemon
+/// stops reading), not buffered; the streams are reset at the pairing timeout, then the rest
+/// is read and dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_pushing_into_unpaired_streams_does_not_grow_the_daemon() {
+    use k8s_cri::v1 as cri;
+    if !support::e2e_ready(&[]) {
+        return;
+    }
+    const STREAMS: u32 = 64;
+    const FRAME: usize = 1 << 20;
+    const PUSH: usize = 200 << 20;
+    const BOUND: u64 = 64 << 20;
+    let h = support::hako::Hako::start("");
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = support::cri::with_namespaces(
+        support::cri::pod_config("pf-budget", logs.path()),
+        cri::NamespaceOption {
+            network: cri::NamespaceMode::Node as i32,
+            ..Default::default()
+        },
+    );
+    let pod = support::cri::run_pod(&mut rt, &cfg).await;
+    let url = rt
+        .port_forward(cri::PortForwardRequest {
+            pod_sandbox_id: pod.clone(),
+            port: vec![80],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .url;
+    let mut c = RawSpdy::connect(&url, "portforward.k8s.io").await;
+    for i in 0..STREAMS {
+        c.open_forward(2 * i + 1, "data", &format!("r{i}"), 80)
+            .await;
+    }
+    let pid = h.pid();
+    let before = proc_status(pid, "VmRSS");
+    // The peak from here on (5: reset the high-water mark to the current RSS).
+    let base = match std::fs::write(format!("/proc/{pid}/clear_refs"), "5") {
+        Ok(()) => before,
+        Err(_) => proc_status(pid, "VmHWM"),
+    };
+    let chunk = bytes::Bytes::from(vec![7u8; FRAME]);
+    let wait = hako::streaming::STREAM_CREATION_TIMEOUT + Duration::from_secs(120);
+    tokio::time::timeout(wait, async {
+        for n in 0..PUSH / FRAME {
+            let stream = 2 * (n as u32 % STREAMS) + 1;
+            c.send(Frame::Data {
+                stream,
+                fin: false,
+                data: chunk.clone(),
+            })
+            .await
+            .expect("the daemon keeps the connection");
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("pushing {PUSH} bytes did not end within {wait:?}"));
+    let peak = proc_status(pid, "VmHWM");
+    eprintln!(
+        "daemon RSS {} MiB before the push, peak {} MiB after it",
+        base >> 20,
+        peak >> 20
+    );
+    assert!(
+        peak < base + BOUND,
+        "the daemon's peak RSS grew by {} MiB (from {} MiB) while a client pushed {} MiB",
+        (peak.saturating_sub(base)) >> 20,
+        base >> 20,
+        PUSH >> 20
+    );
+    // Every unpaired stream was reset.
+    let mut reset = std::collections::HashSet::new();
+    c.until("every unpaired stream's reset", |f| {
+        if let Frame::RstStream { stream, .. } = f {
+            reset.insert(*stream);
+        }
+        reset.len() == STREAMS as usize
+    })
+    .await;
+    drop(c);
+    support::cri::remove_pod(&mut rt, &pod).await;
 }

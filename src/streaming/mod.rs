@@ -12,6 +12,8 @@ mod server;
 pub mod spdy;
 pub mod ws;
 
+pub use conn::BUDGET;
+pub use remote::{MAX_FORWARDS, STREAM_CREATION_TIMEOUT};
 pub use server::{NoBackend, Streaming, TOKEN_TTL};
 
 use std::future::Future;

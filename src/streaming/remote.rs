@@ -9,7 +9,8 @@
 //! versions only a failure's message text.
 //!
 //! port-forward (SPDY): per connection to forward the client opens an `error` and a `data`
-//! stream sharing a `requestid` and naming the `port`; many pairs run at once.
+//! stream sharing a `requestid` and naming the `port`; up to `MAX_FORWARDS` pairs run at once,
+//! and a pair still missing a stream after `STREAM_CREATION_TIMEOUT` is reset.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -23,13 +24,21 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
-use super::conn::{self, Activity, Stream, StreamTx};
-use super::spdy::header;
+use super::conn::{self, Activity, DataRx, Stream, StreamTx};
+use super::spdy::{self, header};
 use super::{ws, Backend, Session, TermSize};
 use crate::error::{chain, Result};
 
-/// How long a client has to open the streams it announced (kubelet's default).
+/// How long a client has to open the streams it announced, and the second stream of a
+/// port-forward pair after the first (kubelet's default).
 pub const STREAM_CREATION_TIMEOUT: Duration = Duration::from_secs(30);
+/// Port-forward pairs one connection holds at once, waiting for their second stream or
+/// forwarding. kubectl opens one pair per local TCP connection (a browser makes about six at
+/// once, a load test a few dozen), so this is far above real use, while one token can no longer
+/// hold any number of sockets into a pod and tasks in the daemon.
+pub const MAX_FORWARDS: usize = 256;
+/// A longer `requestid` is refused: client-go sends a counter, and the id is kept as a key.
+const MAX_REQUEST_ID: usize = 256;
 
 /// remotecommand protocol versions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -108,8 +117,8 @@ fn ws_data(channel: u8, base64: bool, data: &[u8]) -> Vec<u8> {
 
 /// The client's side of a session, whichever the transport.
 struct Wires {
-    stdin: Option<mpsc::Receiver<Bytes>>,
-    resize: Option<mpsc::Receiver<Bytes>>,
+    stdin: Option<DataRx>,
+    resize: Option<DataRx>,
     stdout: Option<Sink>,
     stderr: Option<Sink>,
     error: Option<Sink>,
@@ -230,7 +239,7 @@ async fn pump_out(from: Option<super::BoxRead>, to: Option<&Sink>) {
     }
 }
 
-async fn pump_in(from: Option<mpsc::Receiver<Bytes>>, to: Option<super::BoxWrite>) {
+async fn pump_in(from: Option<DataRx>, to: Option<super::BoxWrite>) {
     let Some(mut from) = from else { return };
     let mut to = to;
     while let Some(data) = from.recv().await {
@@ -246,7 +255,7 @@ async fn pump_in(from: Option<mpsc::Receiver<Bytes>>, to: Option<super::BoxWrite
     }
 }
 
-async fn pump_resize(from: Option<mpsc::Receiver<Bytes>>, to: Option<mpsc::Sender<TermSize>>) {
+async fn pump_resize(from: Option<DataRx>, to: Option<mpsc::Sender<TermSize>>) {
     #[derive(serde::Deserialize)]
     struct Size {
         #[serde(rename = "Width")]
@@ -363,8 +372,11 @@ pub async fn ws_session<IO, F>(
     let (r, w) = tokio::io::split(io);
     let activity = Activity::new();
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(64);
-    let (stdin_tx, stdin_rx) = mpsc::channel::<Bytes>(16);
-    let (resize_tx, resize_rx) = mpsc::channel::<Bytes>(4);
+    // What the client sends and the session has not taken is bounded in bytes: the reader
+    // stops reading the socket while it is spent (see `conn`).
+    let budget = conn::Budget::new(conn::BUDGET);
+    let (stdin_tx, stdin_rx) = conn::data_channel(&budget);
+    let (resize_tx, resize_rx) = conn::data_channel(&budget);
     let sink = |channel: u8, on: bool| {
         on.then(|| Sink::Ws {
             channel,
@@ -443,16 +455,25 @@ pub async fn ws_session<IO, F>(
         }
         _ = &mut session => {}
     }
-    let _ = out_tx.send(ws::close(1000)).await;
-    drop(out_tx);
-    let _ = tokio::time::timeout(conn::LINGER, async {
-        tokio::select! {
-            _ = &mut writer => {}
-            _ = &mut reader => return,
+    // The close frame is queued while the writer runs (the queue may be full with a slow
+    // client), bounded by the idle timeout; then the client gets a moment to close first.
+    let flush = async {
+        tokio::join!(
+            async move {
+                let _ = out_tx.send(ws::close(1000)).await;
+            },
+            &mut writer
+        )
+    };
+    tokio::select! {
+        _ = flush => {}
+        _ = &mut reader => return,
+        _ = activity.idle(idle) => {
+            tracing::info!(idle_s = idle.as_secs(), "streaming connection idle: closed");
+            return;
         }
-        (&mut reader).await
-    })
-    .await;
+    }
+    let _ = tokio::time::timeout(conn::LINGER, &mut reader).await;
 }
 
 /// A client message's channel and payload.
@@ -561,41 +582,117 @@ where
     tokio::join!(rest, reader);
 }
 
+/// One port-forward request waiting for its second stream.
+struct Unpaired {
+    error: Option<Stream>,
+    data: Option<Stream>,
+    deadline: tokio::time::Instant,
+}
+
+/// The `port` header, as the error messages name it.
+fn port_of(s: &Stream) -> &str {
+    header(&s.headers, "port").unwrap_or("(none)")
+}
+
 /// Port-forward over SPDY: `error` + `data` stream pairs, each pair a connection to its port.
+/// As kubelet: a pair whose second stream does not come within `STREAM_CREATION_TIMEOUT` is
+/// given up (the error stream says so); unlike kubelet, its streams are reset, and at most
+/// `MAX_FORWARDS` pairs are held at once.
 pub async fn port_forward<IO>(io: IO, idle: Duration, backend: Arc<dyn Backend>, pod: String)
 where
     IO: AsyncRead + AsyncWrite + Send,
 {
     conn::serve(io, idle, |mut streams| async move {
-        let mut pending: HashMap<String, (Option<Stream>, Option<Stream>)> = HashMap::new();
+        let mut pending: HashMap<String, Unpaired> = HashMap::new();
         let mut running = FuturesUnordered::new();
         loop {
+            let next = pending.values().map(|p| p.deadline).min();
+            let expiry = async {
+                match next {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 s = streams.recv() => {
                     let Some(s) = s else { break };
                     let kind = header(&s.headers, "streamtype").unwrap_or("").to_string();
+                    if kind != "error" && kind != "data" {
+                        tracing::debug!(streamtype = %kind, "port-forward: stream type refused");
+                        s.tx.reset(spdy::PROTOCOL_ERROR).await;
+                        continue;
+                    }
                     // Clients before request ids paired streams by id: data = error + 2.
                     let id = match header(&s.headers, "requestid") {
+                        Some(r) if r.len() > MAX_REQUEST_ID => {
+                            s.tx.reset(spdy::PROTOCOL_ERROR).await;
+                            continue;
+                        }
                         Some(r) => r.to_string(),
                         None if kind == "data" => s.id.saturating_sub(2).to_string(),
                         None => s.id.to_string(),
                     };
-                    if pending.len() >= 1024 && !pending.contains_key(&id) {
-                        continue; // dropped: the stream's receiver goes away with it
+                    if !pending.contains_key(&id) && pending.len() + running.len() >= MAX_FORWARDS {
+                        let msg = format!(
+                            "error forwarding port {} to pod {pod}: {MAX_FORWARDS} port \
+                             forwards are open on this connection already",
+                            port_of(&s)
+                        );
+                        tracing::info!(pod = %pod, "{msg}");
+                        if kind == "error" {
+                            s.tx.write(msg.as_bytes()).await;
+                        }
+                        s.tx.reset(spdy::REFUSED_STREAM).await;
+                        continue;
                     }
-                    let pair = pending.entry(id.clone()).or_default();
-                    match kind.as_str() {
-                        "error" => pair.0 = Some(s),
-                        "data" => pair.1 = Some(s),
-                        _ => continue,
+                    let pair = pending.entry(id.clone()).or_insert_with(|| Unpaired {
+                        error: None,
+                        data: None,
+                        deadline: tokio::time::Instant::now() + STREAM_CREATION_TIMEOUT,
+                    });
+                    let slot = if kind == "error" { &mut pair.error } else { &mut pair.data };
+                    if slot.is_some() {
+                        // kubelet keeps the first one too ("already assigned").
+                        tracing::debug!(request = %id, streamtype = %kind, "port-forward: second stream of one type refused");
+                        s.tx.reset(spdy::PROTOCOL_ERROR).await;
+                        continue;
                     }
-                    if let (Some(_), Some(_)) = pair {
-                        if let Some((Some(e), Some(d))) = pending.remove(&id) {
+                    *slot = Some(s);
+                    if let Some(Unpaired { error: Some(_), data: Some(_), .. }) = pending.get(&id) {
+                        if let Some(Unpaired { error: Some(e), data: Some(d), .. }) = pending.remove(&id) {
                             running.push(forward(backend.clone(), pod.clone(), e, d));
                         }
                     }
                 }
                 Some(()) = running.next(), if !running.is_empty() => {}
+                _ = expiry => {
+                    let now = tokio::time::Instant::now();
+                    let late: Vec<String> = pending
+                        .iter()
+                        .filter(|(_, p)| p.deadline <= now)
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    for id in late {
+                        let Some(p) = pending.remove(&id) else { continue };
+                        let (missing, port) = match (&p.error, &p.data) {
+                            (Some(e), None) => ("data", port_of(e)),
+                            (None, Some(d)) => ("error", port_of(d)),
+                            _ => ("", ""),
+                        };
+                        let msg = format!(
+                            "error forwarding port {port} to pod {pod}: timed out after {}s \
+                             waiting for the {missing} stream of request {id}",
+                            STREAM_CREATION_TIMEOUT.as_secs()
+                        );
+                        tracing::info!(pod = %pod, "{msg}");
+                        if let Some(e) = &p.error {
+                            e.tx.write(msg.as_bytes()).await;
+                        }
+                        for s in [&p.error, &p.data].into_iter().flatten() {
+                            s.tx.reset(spdy::CANCEL).await;
+                        }
+                    }
+                }
             }
         }
         while running.next().await.is_some() {}
@@ -670,4 +767,111 @@ async fn forward(backend: Arc<dyn Backend>, pod: String, error: Stream, data: St
         } => {}
     }
     error_tx.close().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Reads one server message: opcode and payload; `None` at the end.
+    async fn message<R: AsyncRead + Unpin>(r: &mut R) -> Option<(u8, Vec<u8>)> {
+        let mut head = [0u8; 2];
+        r.read_exact(&mut head).await.ok()?;
+        let len = match head[1] & 0x7f {
+            126 => r.read_u16().await.ok()? as usize,
+            127 => r.read_u64().await.ok()? as usize,
+            n => n as usize,
+        };
+        let mut payload = vec![0u8; len];
+        r.read_exact(&mut payload).await.ok()?;
+        Some((head[0] & 0x0f, payload))
+    }
+
+    /// Output that gives a signal when the session has read all of it (the reader is dropped).
+    struct Signalled(
+        std::io::Cursor<Vec<u8>>,
+        Option<tokio::sync::oneshot::Sender<()>>,
+    );
+
+    impl AsyncRead for Signalled {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<io::Result<()>> {
+            std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+        }
+    }
+
+    impl Drop for Signalled {
+        fn drop(&mut self) {
+            if let Some(tx) = self.1.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    /// The session's output outruns the client (the queue fills: the pipe holds the first
+    /// message, one chunk and part of the next; 63 chunks and the status fill the 64 places)
+    /// and the session ends: the client, reading only then, still gets every byte, the status
+    /// and the close. (Current-thread runtime: the session runs to its end before the test
+    /// reads.)
+    #[tokio::test]
+    async fn websocket_output_queued_behind_a_slow_client_is_all_delivered() {
+        const CHUNK: usize = 32 * 1024;
+        const TOTAL: usize = 65 * CHUNK;
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let output = Signalled(std::io::Cursor::new(vec![7u8; TOTAL]), Some(done_tx));
+        let session = Session {
+            stdin: None,
+            stdout: Some(Box::new(output)),
+            stderr: None,
+            resize: None,
+            exit: Box::pin(async { Ok(5) }),
+        };
+        let want = Want {
+            stdin: false,
+            stdout: true,
+            stderr: false,
+            tty: false,
+        };
+        let serving = tokio::spawn(ws_session(
+            server,
+            Duration::from_secs(3600),
+            Version::V5,
+            false,
+            want,
+            async move { Ok(session) },
+        ));
+        let (mut rd, mut wr) = tokio::io::split(client);
+        tokio::time::timeout(Duration::from_secs(30), done_rx)
+            .await
+            .expect("the session to read all its output")
+            .unwrap();
+        let (got, status) = tokio::time::timeout(Duration::from_secs(30), async {
+            let (mut got, mut status) = (0, Vec::new());
+            loop {
+                match message(&mut rd).await.expect("a message before the close") {
+                    (ws::OP_CLOSE, _) => return (got, status),
+                    (_, m) if m.first() == Some(&1) => got += m.len() - 1,
+                    (_, m) if m.first() == Some(&3) => status.extend_from_slice(&m[1..]),
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .expect("the connection to end with all output and the status delivered");
+        assert_eq!(got, TOTAL);
+        assert!(
+            String::from_utf8_lossy(&status).contains("exit status 5"),
+            "{}",
+            String::from_utf8_lossy(&status)
+        );
+        wr.shutdown().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(30), serving)
+            .await
+            .expect("the connection to be served to its end")
+            .unwrap();
+    }
 }

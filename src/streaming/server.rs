@@ -124,6 +124,13 @@ impl Streaming {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::Internal(format!("streaming server address: {e}")))?;
+        if tls.is_none() && !addr.ip().is_loopback() {
+            tracing::warn!(
+                address = %addr,
+                "streaming server listens beyond loopback without TLS: \
+                 exec/attach/port-forward traffic is unencrypted"
+            );
+        }
         let scheme = if tls.is_some() { "https" } else { "http" };
         let inner = Arc::new(Inner {
             backend,

@@ -20,6 +20,8 @@ pub const FLAG_FIN: u8 = 0x01;
 pub const FLAG_UNIDIRECTIONAL: u8 = 0x02;
 /// The largest payload the 24-bit length field can carry.
 pub const MAX_PAYLOAD: usize = (1 << 24) - 1;
+/// The largest frame read (client-go writes 32 KiB data frames).
+pub const MAX_READ: usize = 1024 * 1024;
 /// A decompressed header block larger than this is an error (a zlib bomb otherwise).
 pub const MAX_HEADER_BLOCK: usize = 256 * 1024;
 
@@ -411,6 +413,12 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Option<([
         got += n;
     }
     let len = u32::from_be_bytes([0, head[5], head[6], head[7]]) as usize;
+    // Refused before anything is allocated: a peer may not make us buffer 16 MiB frames.
+    if len > MAX_READ {
+        return Err(invalid(format!(
+            "frame of {len} bytes is over the {MAX_READ} limit"
+        )));
+    }
     let mut payload = vec![0u8; len];
     r.read_exact(&mut payload).await?;
     Ok(Some((head, payload)))
@@ -496,6 +504,28 @@ mod tests {
         let again = tx.encode(f).unwrap();
         assert!(again.len() < Codec::new().encode(f).unwrap().len());
         assert_eq!(header(&hdrs(&[("x", "a\0b")]), "X"), Some("a"));
+    }
+
+    /// A frame announcing more than `MAX_READ` bytes is refused before its payload is read.
+    #[tokio::test]
+    async fn oversized_frames_are_refused() {
+        let data = Codec::new()
+            .encode(&Frame::Data {
+                stream: 1,
+                fin: false,
+                data: Bytes::from(vec![0u8; MAX_READ + 1]),
+            })
+            .unwrap();
+        let err = read_frame(&mut &data[..]).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        let data = Codec::new()
+            .encode(&Frame::Data {
+                stream: 1,
+                fin: false,
+                data: Bytes::from(vec![0u8; MAX_READ]),
+            })
+            .unwrap();
+        assert!(read_frame(&mut &data[..]).await.unwrap().is_some());
     }
 
     /// The dictionary and flush mode checked against another zlib, not only against ourselves.

@@ -15,7 +15,7 @@ pub const OP_PING: u8 = 0x9;
 pub const OP_PONG: u8 = 0xa;
 
 /// A whole message larger than this closes the connection (1009, "message too big").
-pub const MAX_MESSAGE: usize = 16 * 1024 * 1024;
+pub const MAX_MESSAGE: usize = 1024 * 1024;
 
 /// `Sec-WebSocket-Accept` for the client's `Sec-WebSocket-Key`.
 pub fn accept_key(key: &str) -> String {
@@ -96,6 +96,10 @@ impl<R: AsyncRead + Unpin> Reader<R> {
                 127 => self.r.read_u64().await?,
                 n => n as u64,
             };
+            // RFC 6455 5.5: control frames are short and never fragmented.
+            if opcode & 0x8 != 0 && (!fin || len > 125) {
+                return Err(invalid("control frame fragmented or over 125 bytes"));
+            }
             let have = self.partial.as_ref().map_or(0, |(_, b)| b.len()) as u64;
             if len.saturating_add(have) > MAX_MESSAGE as u64 {
                 return Err(invalid("message too big"));
@@ -165,6 +169,18 @@ mod tests {
             accept_key("dGhlIHNhbXBsZSBub25jZQ=="),
             "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
         );
+    }
+
+    #[tokio::test]
+    async fn control_frames_over_125_bytes_or_fragmented_are_refused() {
+        let ok = client_frame(true, OP_PING, &[1u8; 125]);
+        assert!(Reader::new(&ok[..]).next().await.is_ok());
+        let long = client_frame(true, OP_PING, &[1u8; 126]);
+        assert!(Reader::new(&long[..]).next().await.is_err());
+        let fragmented = client_frame(false, OP_PING, b"p");
+        assert!(Reader::new(&fragmented[..]).next().await.is_err());
+        let big = client_frame(true, OP_BINARY, &vec![0u8; MAX_MESSAGE + 1]);
+        assert!(Reader::new(&big[..]).next().await.is_err());
     }
 
     #[tokio::test]
