@@ -29,7 +29,7 @@ use support::oci::Pusher;
 use support::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
+use common::SLEEPER_IMAGE as IMAGE;
 const STEPS: [&str; 6] = [
     "crictl exec true (SPDY)",
     "crictl exec -r websocket true",
@@ -38,69 +38,6 @@ const STEPS: [&str; 6] = [
     "Exec + SPDY: exit status",
     "ExecSync true",
 ];
-
-fn pod_config() -> cri::PodSandboxConfig {
-    cri::PodSandboxConfig {
-        metadata: Some(cri::PodSandboxMetadata {
-            name: "exec-bench".into(),
-            uid: "uid-exec-bench".into(),
-            namespace: "bench".into(),
-            attempt: 0,
-        }),
-        log_directory: "/var/tmp/hako-bench-logs/exec-bench".into(),
-        // Host network: no CNI in the comparison; what kubelet sends for a pod without
-        // shareProcessNamespace otherwise.
-        linux: Some(cri::LinuxPodSandboxConfig {
-            security_context: Some(cri::LinuxSandboxSecurityContext {
-                namespace_options: Some(cri::NamespaceOption {
-                    network: cri::NamespaceMode::Node as i32,
-                    pid: cri::NamespaceMode::Container as i32,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn container_config() -> cri::ContainerConfig {
-    cri::ContainerConfig {
-        metadata: Some(cri::ContainerMetadata {
-            name: "sleeper".into(),
-            attempt: 0,
-        }),
-        image: Some(cri::ImageSpec {
-            image: IMAGE.into(),
-            ..Default::default()
-        }),
-        command: vec![
-            "sh".into(),
-            "-c".into(),
-            "trap 'exit 0' TERM; sleep 3600 & wait".into(),
-        ],
-        log_path: "sleeper.log".into(),
-        linux: Some(cri::LinuxContainerConfig {
-            security_context: Some(cri::LinuxContainerSecurityContext {
-                namespace_options: Some(cri::NamespaceOption {
-                    network: cri::NamespaceMode::Node as i32,
-                    pid: cri::NamespaceMode::Container as i32,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[i]
-}
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
@@ -119,7 +56,7 @@ async fn setup(r: &Runtime) -> (String, String) {
         })
         .await
         .unwrap_or_else(|e| panic!("{}: pull: {e}", r.name));
-    let cfg = pod_config();
+    let cfg = common::host_pod_config("exec-bench");
     let pod = c
         .runtime
         .run_pod_sandbox(cri::RunPodSandboxRequest {
@@ -134,7 +71,7 @@ async fn setup(r: &Runtime) -> (String, String) {
         .runtime
         .create_container(cri::CreateContainerRequest {
             pod_sandbox_id: pod.clone(),
-            config: Some(container_config()),
+            config: Some(common::sleeper_config()),
             sandbox_config: Some(cfg),
         })
         .await
@@ -384,7 +321,7 @@ fn main() {
             let mut row = format!("| {step} |");
             for res in &mut results {
                 match res.get_mut(step) {
-                    Some(v) => row.push_str(&format!(" {:.2} | {:.2} |", percentile(v, 0.5), percentile(v, 0.9))),
+                    Some(v) => row.push_str(&format!(" {:.2} | {:.2} |", common::percentile(v, 0.5), common::percentile(v, 0.9))),
                     None => row.push_str(" – | – |"),
                 }
             }

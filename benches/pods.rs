@@ -32,7 +32,10 @@ use k8s_cri::v1 as cri;
 use support::oci::Pusher;
 use support::registry::Registry;
 
-const IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
+use common::{
+    host_pod_config as pod_config, percentile, sleeper_config as container_config,
+    SLEEPER_IMAGE as IMAGE,
+};
 const STEPS: [&str; 6] = [
     "RunPodSandbox",
     "CreateContainer",
@@ -41,74 +44,6 @@ const STEPS: [&str; 6] = [
     "StopContainer",
     "StopPodSandbox",
 ];
-
-fn pod_config(name: &str) -> cri::PodSandboxConfig {
-    cri::PodSandboxConfig {
-        metadata: Some(cri::PodSandboxMetadata {
-            name: name.into(),
-            uid: format!("uid-{name}"),
-            namespace: "bench".into(),
-            attempt: 0,
-        }),
-        // No hostname: a host-network pod shares the host's UTS namespace.
-        log_directory: format!("/var/tmp/hako-bench-logs/{name}"),
-        // Host network for both: containerd 1.6 needs a CNI result with an IP for pod
-        // networks, and hako has no CNI yet; this keeps the two doing the same work.
-        linux: Some(cri::LinuxPodSandboxConfig {
-            security_context: Some(cri::LinuxSandboxSecurityContext {
-                // What kubelet sends for a pod without shareProcessNamespace: a PID
-                // namespace per container (the proto default, POD, would share one).
-                namespace_options: Some(cri::NamespaceOption {
-                    network: cri::NamespaceMode::Node as i32,
-                    pid: cri::NamespaceMode::Container as i32,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn container_config() -> cri::ContainerConfig {
-    cri::ContainerConfig {
-        metadata: Some(cri::ContainerMetadata {
-            name: "sleeper".into(),
-            attempt: 0,
-        }),
-        image: Some(cri::ImageSpec {
-            image: IMAGE.into(),
-            ..Default::default()
-        }),
-        // PID 1 of its own PID namespace (as kubelet asks by default) ignores SIGTERM unless
-        // it handles it: this one does, so StopContainer measures a graceful stop.
-        command: vec![
-            "sh".into(),
-            "-c".into(),
-            "trap 'exit 0' TERM; sleep 3600 & wait".into(),
-        ],
-        log_path: "sleeper.log".into(),
-        linux: Some(cri::LinuxContainerConfig {
-            security_context: Some(cri::LinuxContainerSecurityContext {
-                namespace_options: Some(cri::NamespaceOption {
-                    network: cri::NamespaceMode::Node as i32,
-                    pid: cri::NamespaceMode::Container as i32,
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[i]
-}
 
 /// PSS in KiB of a process, from smaps_rollup.
 fn pss_kib(pid: i32) -> u64 {

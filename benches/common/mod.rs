@@ -277,3 +277,78 @@ state = "{state}"
         dir,
     }
 }
+
+/// The image both benches run: the busybox stand-in under its registry.k8s.io name.
+pub const SLEEPER_IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
+
+/// What kubelet sends for a pod without shareProcessNamespace, on the host network: a PID
+/// namespace per container (the proto default, POD, would share one).
+fn host_network_namespaces() -> Option<k8s_cri::v1::NamespaceOption> {
+    Some(k8s_cri::v1::NamespaceOption {
+        network: k8s_cri::v1::NamespaceMode::Node as i32,
+        pid: k8s_cri::v1::NamespaceMode::Container as i32,
+        ..Default::default()
+    })
+}
+
+/// A host-network pod `name` in namespace `bench`, its logs under /var/tmp/hako-bench-logs.
+/// Host network for every runtime: containerd needs a CNI result with an IP for pod networks,
+/// and this keeps them all doing the same work (a bench that wants CNI adds it).
+pub fn host_pod_config(name: &str) -> k8s_cri::v1::PodSandboxConfig {
+    use k8s_cri::v1 as cri;
+    cri::PodSandboxConfig {
+        metadata: Some(cri::PodSandboxMetadata {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            namespace: "bench".into(),
+            attempt: 0,
+        }),
+        // No hostname: a host-network pod shares the host's UTS namespace.
+        log_directory: format!("/var/tmp/hako-bench-logs/{name}"),
+        linux: Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: host_network_namespaces(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// A container `sleeper` of [`SLEEPER_IMAGE`] that sleeps an hour. PID 1 of its own PID
+/// namespace ignores SIGTERM unless it handles it: this one does, so a stop is graceful.
+pub fn sleeper_config() -> k8s_cri::v1::ContainerConfig {
+    use k8s_cri::v1 as cri;
+    cri::ContainerConfig {
+        metadata: Some(cri::ContainerMetadata {
+            name: "sleeper".into(),
+            attempt: 0,
+        }),
+        image: Some(cri::ImageSpec {
+            image: SLEEPER_IMAGE.into(),
+            ..Default::default()
+        }),
+        command: vec![
+            "sh".into(),
+            "-c".into(),
+            "trap 'exit 0' TERM; sleep 3600 & wait".into(),
+        ],
+        log_path: "sleeper.log".into(),
+        linux: Some(cri::LinuxContainerConfig {
+            security_context: Some(cri::LinuxContainerSecurityContext {
+                namespace_options: host_network_namespaces(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The `p` quantile (0..=1) of `v`, nearest rank; sorts `v`.
+pub fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
+    v[i]
+}
