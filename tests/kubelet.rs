@@ -20,6 +20,9 @@ use support::registry::free_port;
 
 const NODE: &str = "hako-node";
 
+/// One kubelet at a time: each manages the node's `kubepods` cgroups and its pod log paths.
+static ONE_KUBELET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Deadlines for kubelet's reactions: they are paced by its own periods (PLEG relist 1 s,
 /// static pod file check 1 s, back-off 10 s, container GC 1 min), not by hako.
 const REACT: Duration = Duration::from_secs(90);
@@ -41,6 +44,11 @@ impl Kubelet {
     /// Starts kubelet with its config written for `h` and `net`. The cgroup driver is not set:
     /// kubelet takes the one hako reports (RuntimeConfig).
     fn start(h: &Hako, net: &TestNet) -> Kubelet {
+        Kubelet::start_with(h, net, "")
+    }
+
+    /// As [`Kubelet::start`], with `extra` (top-level KubeletConfiguration lines) appended.
+    fn start_with(h: &Hako, net: &TestNet, extra: &str) -> Kubelet {
         let dir = tempfile::tempdir().unwrap();
         let manifests = dir.path().join("manifests");
         let pod_logs = dir.path().join("pod-logs");
@@ -88,7 +96,7 @@ podLogsDir: {pod_logs}
 resolvConf: ""
 featureGates:
   PodAndContainerStatsFromCRI: true
-"#,
+{extra}"#,
             endpoint = h.endpoint(),
             manifests = manifests.display(),
             port = free_port(),
@@ -505,6 +513,7 @@ async fn kubelet_runs_static_pods_on_hako() {
     if !support::e2e_ready(&["kubelet", "crictl"]) || !cni::ready() {
         return;
     }
+    let _one = ONE_KUBELET.lock().await;
     let net = TestNet::new();
     let Some((_reg, mut h)) = ready_with_config(&net.hako_config(30)).await else {
         return;
@@ -901,6 +910,130 @@ const HOST_CHECKS: &[&str] = &[
     "NumCPU",
     "Mem",
 ];
+
+/// A container that counts, one numbered line every 20 ms, on the host network.
+const COUNTER: &str = r#"  terminationGracePeriodSeconds: 1
+  hostNetwork: true
+  containers:
+  - name: counter
+    image: IMAGE
+    imagePullPolicy: IfNotPresent
+    command: ["sh", "-c", "i=0; trap 'exit 0' TERM; while true; do i=$((i+1)); echo line-$i; sleep 0.02; done"]
+"#;
+
+/// The numbers of the `line-N` lines in a CRI log text, complete (`F`) lines only.
+fn counted_lines(text: &str) -> Vec<u64> {
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.splitn(4, ' ');
+            let (_ts, _stream, tag, msg) = (f.next()?, f.next()?, f.next()?, f.next()?);
+            (tag == "F").then(|| msg.strip_prefix("line-")?.parse().ok())?
+        })
+        .collect()
+}
+
+/// The lines of a container's log dir in the order they were written: the rotated files
+/// (`0.log.<time>`, gzipped as `.gz` by kubelet; a file and its `.gz` both there while
+/// kubelet compresses, then the plain one counts) by time, then the live `0.log`.
+fn rotated_log_numbers(dir: &Path) -> (Vec<u64>, usize) {
+    let mut rotated: std::collections::BTreeMap<String, PathBuf> = Default::default();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name == "0.log" || !name.starts_with("0.log.") || name.ends_with(".tmp") {
+            continue;
+        }
+        let stem = name.trim_end_matches(".gz").to_string();
+        if name.ends_with(".gz") && rotated.contains_key(&stem) {
+            continue;
+        }
+        rotated.insert(stem, e.path());
+    }
+    let mut numbers = Vec::new();
+    for path in rotated.values() {
+        let bytes = std::fs::read(path).unwrap();
+        let text = if path.extension().is_some_and(|x| x == "gz") {
+            let mut out = String::new();
+            use std::io::Read;
+            flate2::read::GzDecoder::new(&bytes[..])
+                .read_to_string(&mut out)
+                .unwrap();
+            out
+        } else {
+            String::from_utf8_lossy(&bytes).into_owned()
+        };
+        numbers.extend(counted_lines(&text));
+    }
+    let live = std::fs::read_to_string(dir.join("0.log")).unwrap_or_default();
+    numbers.extend(counted_lines(&live));
+    (numbers, rotated.len())
+}
+
+/// kubelet rotates a container's log past `containerLogMaxSize`: it renames the file and asks
+/// hako to reopen it (ReopenContainerLog); hako's writer must move to the new file at once, so
+/// that across the rotated files and the live one every line the container wrote is there,
+/// once, in order.
+#[tokio::test(flavor = "multi_thread")]
+async fn kubelet_rotates_container_logs_without_losing_a_line() {
+    if !support::e2e_ready(&["kubelet"]) || !cni::ready() {
+        return;
+    }
+    let _one = ONE_KUBELET.lock().await;
+    let net = TestNet::new();
+    let Some((_reg, h)) = ready_with_config(&net.hako_config(30)).await else {
+        return;
+    };
+    let mut k = Kubelet::start_with(
+        &h,
+        &net,
+        "containerLogMaxSize: 2Ki\ncontainerLogMaxFiles: 50\ncontainerLogMonitorInterval: 3s\n",
+    );
+    k.write_manifest("counter", &manifest("counter", COUNTER));
+    let pod = k
+        .wait_pod("the counter to run", "counter", |p| running(p, "counter"))
+        .await;
+    let uid = pod["metadata"]["uid"].as_str().unwrap().to_string();
+    let dir = k
+        .pod_logs
+        .join(format!("default_counter-{NODE}_{uid}"))
+        .join("counter");
+    let mut seen = (Vec::new(), 0);
+    support::wait_for("kubelet to rotate the counter's log 3 times", GC, || {
+        seen = rotated_log_numbers(&dir);
+        seen.1 >= 3
+    })
+    .await;
+    let (numbers, rotated) = seen;
+    let reopens = h.log_text().matches("\"ReopenContainerLog\"").count();
+    assert!(
+        reopens >= rotated,
+        "{reopens} ReopenContainerLog calls for {rotated} rotations"
+    );
+    let last = *numbers.last().expect("lines in the log");
+    let expected: Vec<u64> = (1..=last).collect();
+    if numbers != expected {
+        let gaps: Vec<(u64, u64)> = numbers
+            .windows(2)
+            .filter(|w| w[1] != w[0] + 1)
+            .map(|w| (w[0], w[1]))
+            .take(10)
+            .collect();
+        panic!(
+            "lines lost, repeated or out of order across {rotated} rotations ({} lines, last {last}, first {:?}): jumps {gaps:?}",
+            numbers.len(),
+            numbers.first()
+        );
+    }
+    k.remove_manifest("counter");
+    support::wait_for(
+        "kubelet to forget the counter and hako to remove it",
+        GC,
+        || {
+            k.pods().is_empty()
+                && std::fs::read_dir(h.state.join("pods")).is_ok_and(|mut d| d.next().is_none())
+        },
+    )
+    .await;
+}
 
 /// kubeadm's preflight against hako passes its container runtime checks: the runtime answers
 /// (CRI), implements RuntimeConfig (ContainerRuntimeVersion) and pulls the control plane
