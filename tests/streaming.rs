@@ -765,31 +765,15 @@ struct RawSpdy {
 
 impl RawSpdy {
     async fn connect(url: &str, proto: &str) -> RawSpdy {
-        let addr = url.split('/').nth(2).unwrap().to_string();
-        let (mut rd, mut wr) = tokio::net::TcpStream::connect(&addr)
-            .await
-            .unwrap()
-            .into_split();
-        let req = format!(
-            "POST {} HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\n\
-             X-Stream-Protocol-Version: {proto}\r\n\r\n",
-            path_of(url)
-        );
-        wr.write_all(req.as_bytes()).await.unwrap();
-        let mut head = Vec::new();
-        let mut b = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            let n = rd.read(&mut b).await.unwrap();
-            assert_eq!(
-                n,
-                1,
-                "answer cut short: {:?}",
-                String::from_utf8_lossy(&head)
-            );
-            head.push(b[0]);
-        }
-        let head = String::from_utf8_lossy(&head).to_string();
-        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        let (mut rd, wr) = upgrade(
+            url,
+            &[
+                ("Upgrade", "SPDY/3.1"),
+                ("X-Stream-Protocol-Version", proto),
+            ],
+            None,
+        )
+        .await;
         let (tx, frames) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut codec = Codec::new();
