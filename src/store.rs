@@ -15,11 +15,19 @@
 //!   record is logged, moved here for inspection and skipped; it never makes every List fail
 //!   or keep the daemon from starting.
 //!
+//! Pods and containers are also kept decoded in memory (`Cache`): the daemon is the store's only
+//! writer, so once a table has been read whole, every later write goes through here and the
+//! copy stays equal to what was committed. kubelet lists them every second; decoding each
+//! record's JSON on every list cost milliseconds at a few hundred pods.
+//!
 //! Versions: a record without `v` (written before versions existed) is read as version 0 and
 //! migrated; a record newer than [`RECORD_VERSION`] was written by a newer hako, and reading
 //! it fails with an error saying so (a downgrade is refused, not guessed at).
 
+use std::any::Any;
+use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
@@ -75,6 +83,19 @@ pub struct SnapshotRecord {
 
 pub struct Store {
     db: Database,
+    /// By [`Table::index`].
+    cache: [RwLock<Cache>; 2],
+    /// Held from the start of a write of a cached table until its copy is updated, so the copy
+    /// never takes an older write after a newer one, nor a write that did not commit.
+    cached_writes: Mutex<()>,
+}
+
+/// The decoded records of one table, once it has been read whole.
+#[derive(Default)]
+struct Cache {
+    loaded: bool,
+    /// Typed by whoever filled it; a read as another type is served from the file instead.
+    rows: BTreeMap<String, Arc<dyn Any + Send + Sync>>,
 }
 
 fn encode<T: Serialize>(rec: &T) -> Vec<u8> {
@@ -154,7 +175,11 @@ impl Store {
         txn.open_table(PINS)?;
         txn.open_table(QUARANTINE)?;
         txn.commit()?;
-        Ok(Store { db })
+        Ok(Store {
+            db,
+            cache: Default::default(),
+            cached_writes: Mutex::new(()),
+        })
     }
 
     pub fn images(&self) -> Result<Vec<ImageRecord>> {
@@ -171,6 +196,19 @@ impl Store {
         def: TableDefinition<&str, &[u8]>,
         name: &str,
     ) -> Result<Vec<T>> {
+        Ok(self
+            .read_all_keyed(def, name)?
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect())
+    }
+
+    /// [`Store::read_all`] with each record's key.
+    fn read_all_keyed<T: DeserializeOwned>(
+        &self,
+        def: TableDefinition<&str, &[u8]>,
+        name: &str,
+    ) -> Result<Vec<(String, T)>> {
         let mut out = Vec::new();
         let mut bad = Vec::new();
         {
@@ -179,7 +217,7 @@ impl Store {
             for row in table.iter()? {
                 let (k, v) = row?;
                 match read_record(name, k.value(), v.value())? {
-                    Ok(t) => out.push(t),
+                    Ok(t) => out.push((k.value().to_string(), t)),
                     Err(why) => bad.push((k.value().to_string(), why)),
                 }
             }
@@ -382,7 +420,17 @@ impl Table {
             Table::Containers => "containers",
         }
     }
+    fn index(self) -> usize {
+        match self {
+            Table::Pods => 0,
+            Table::Containers => 1,
+        }
+    }
 }
+
+/// The bounds of a record kept in the cache.
+pub trait Record: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {}
+impl<T: Serialize + DeserializeOwned + Clone + Send + Sync + 'static> Record for T {}
 
 /// Reads a record of `t` kept outside the store (a pod monitor keeps a copy, see
 /// `Runtime::reconcile`), with the store's version check and migration.
@@ -396,19 +444,115 @@ pub fn encode_record<T: Serialize>(rec: &T) -> Vec<u8> {
 }
 
 impl Store {
-    pub fn get<T: DeserializeOwned>(&self, t: Table, id: &str) -> Result<Option<T>> {
-        self.read_one(t.def(), t.name(), id)
+    pub fn get<T: Record>(&self, t: Table, id: &str) -> Result<Option<T>> {
+        Ok(self.get_shared(t, id)?.map(|r| T::clone(&r)))
     }
 
-    pub fn all<T: DeserializeOwned>(&self, t: Table) -> Result<Vec<T>> {
-        self.read_all(t.def(), t.name())
+    pub fn all<T: Record>(&self, t: Table) -> Result<Vec<T>> {
+        Ok(self
+            .all_shared(t)?
+            .into_iter()
+            .map(|r| T::clone(&r))
+            .collect())
     }
 
-    pub fn put<T: Serialize>(&self, t: Table, id: &str, rec: &T) -> Result<()> {
+    /// A record as the cache holds it: no copy.
+    pub fn get_shared<T: Record>(&self, t: Table, id: &str) -> Result<Option<Arc<T>>> {
+        self.load::<T>(t)?;
+        {
+            let cache = self.read_cache(t);
+            match cache.rows.get(id) {
+                None if cache.loaded => return Ok(None),
+                Some(row) => {
+                    if let Ok(r) = Arc::clone(row).downcast::<T>() {
+                        return Ok(Some(r));
+                    }
+                }
+                None => {}
+            }
+        }
+        Ok(self.read_one(t.def(), t.name(), id)?.map(Arc::new))
+    }
+
+    /// Every record of `t`, in key order, as the cache holds them.
+    pub fn all_shared<T: Record>(&self, t: Table) -> Result<Vec<Arc<T>>> {
+        self.load::<T>(t)?;
+        {
+            let cache = self.read_cache(t);
+            if cache.loaded {
+                let rows: Option<Vec<Arc<T>>> = cache
+                    .rows
+                    .values()
+                    .map(|row| Arc::clone(row).downcast::<T>().ok())
+                    .collect();
+                if let Some(rows) = rows {
+                    return Ok(rows);
+                }
+            }
+        }
+        Ok(self
+            .read_all(t.def(), t.name())?
+            .into_iter()
+            .map(Arc::new)
+            .collect())
+    }
+
+    /// Reads `t` whole into its cache, once.
+    fn load<T: Record>(&self, t: Table) -> Result<()> {
+        if self.read_cache(t).loaded {
+            return Ok(());
+        }
+        let _writes = self.lock_writes();
+        if self.read_cache(t).loaded {
+            return Ok(());
+        }
+        let rows: Vec<(String, T)> = self.read_all_keyed(t.def(), t.name())?;
+        let mut cache = self.write_cache(t);
+        for (key, r) in rows {
+            cache.rows.insert(key, Arc::new(r));
+        }
+        cache.loaded = true;
+        Ok(())
+    }
+
+    fn read_cache(&self, t: Table) -> std::sync::RwLockReadGuard<'_, Cache> {
+        self.cache[t.index()]
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write_cache(&self, t: Table) -> std::sync::RwLockWriteGuard<'_, Cache> {
+        self.cache[t.index()]
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_writes(&self) -> MutexGuard<'_, ()> {
+        // Nothing the guard protects can be left half done by a panic: the copy is changed
+        // only after a commit, in one insert or remove.
+        self.cached_writes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps the cache equal to a committed write: `rec` is the record now stored under `id`,
+    /// `None` when it was removed.
+    fn cached(&self, t: Table, id: &str, rec: Option<Arc<dyn Any + Send + Sync>>) {
+        let mut cache = self.write_cache(t);
+        if !cache.loaded {
+            return;
+        }
+        match rec {
+            Some(r) => cache.rows.insert(id.to_string(), r),
+            None => cache.rows.remove(id),
+        };
+    }
+
+    pub fn put<T: Record>(&self, t: Table, id: &str, rec: &T) -> Result<()> {
+        let _writes = self.lock_writes();
         let txn = self.db.begin_write()?;
         txn.open_table(t.def())?
             .insert(id, encode(rec).as_slice())?;
         txn.commit()?;
+        self.cached(t, id, Some(Arc::new(rec.clone())));
         Ok(())
     }
 
@@ -416,12 +560,13 @@ impl Store {
     /// whether it changed it. Nothing is written when the record is gone (so a removed object
     /// is never written back by a call that read it before the removal), unreadable, or left
     /// unchanged. Returns the record as stored afterwards, `None` when there is none.
-    pub fn update<T: Serialize + DeserializeOwned>(
+    pub fn update<T: Record>(
         &self,
         t: Table,
         id: &str,
         change: impl FnOnce(&mut T) -> bool,
     ) -> Result<Option<T>> {
+        let _writes = self.lock_writes();
         let txn = self.db.begin_write()?;
         let rec = {
             let mut table = txn.open_table(t.def())?;
@@ -440,13 +585,16 @@ impl Store {
             rec
         };
         txn.commit()?;
+        self.cached(t, id, Some(Arc::new(rec.clone())));
         Ok(Some(rec))
     }
 
     pub fn delete(&self, t: Table, id: &str) -> Result<()> {
+        let _writes = self.lock_writes();
         let txn = self.db.begin_write()?;
         txn.open_table(t.def())?.remove(id)?;
         txn.commit()?;
+        self.cached(t, id, None);
         Ok(())
     }
 
@@ -721,6 +869,78 @@ mod runtime_tables {
 
     /// Read-modify-write in one transaction: concurrent changes to one record all land, and a
     /// change prepared before a removal finds the record gone instead of bringing it back.
+    /// The decoded copy lists are served from equals what is in the file after every kind of
+    /// write (seen failing with `update` leaving the copy alone), also with writers racing. A
+    /// copy updated out of commit order would keep an older record than the file; that window
+    /// is too narrow for this test to hit (it passed with the ordering lock removed), the lock
+    /// is what guards it.
+    #[test]
+    fn the_cached_copy_is_what_was_committed() {
+        type Rec = serde_json::Value;
+        let dir = tempfile::tempdir().unwrap();
+        let s = std::sync::Arc::new(Store::open(&dir.path().join("m.db")).unwrap());
+        let in_file = |s: &Store| -> Vec<(String, Rec)> {
+            s.read_all_keyed(Table::Pods.def(), "pods").unwrap()
+        };
+        let cached = |s: &Store| -> Vec<(String, Rec)> {
+            let c = s.read_cache(Table::Pods);
+            assert!(c.loaded);
+            c.rows
+                .iter()
+                .map(|(k, v)| (k.clone(), Rec::clone(v.downcast_ref().unwrap())))
+                .collect()
+        };
+        s.put(Table::Pods, "a", &serde_json::json!({"v": 1, "n": 0}))
+            .unwrap();
+        assert_eq!(
+            s.all::<Rec>(Table::Pods).unwrap().len(),
+            1,
+            "loads the copy"
+        );
+        s.put(Table::Pods, "b", &serde_json::json!({"v": 1, "n": 0}))
+            .unwrap();
+        s.update(Table::Pods, "a", |r: &mut Rec| {
+            r["n"] = 5.into();
+            true
+        })
+        .unwrap();
+        assert_eq!(cached(&s), in_file(&s));
+        s.delete(Table::Pods, "b").unwrap();
+        assert_eq!(cached(&s), in_file(&s));
+        assert_eq!(s.get::<Rec>(Table::Pods, "b").unwrap(), None);
+        assert_eq!(s.get::<Rec>(Table::Pods, "a").unwrap().unwrap()["n"], 5);
+
+        let workers: Vec<_> = (0..4)
+            .map(|w| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    for i in 0..50u64 {
+                        let key = format!("k{}", i % 3);
+                        if w % 2 == 0 {
+                            s.put(Table::Pods, &key, &serde_json::json!({"v": 1, "n": i}))
+                                .unwrap();
+                        } else if i % 7 == 0 {
+                            s.delete(Table::Pods, &key).unwrap();
+                        } else {
+                            s.update(Table::Pods, &key, |r: &mut Rec| {
+                                r["n"] = (r["n"].as_u64().unwrap() + 1000).into();
+                                true
+                            })
+                            .unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        assert_eq!(cached(&s), in_file(&s));
+        // A read as another type than the copy holds is served from the file.
+        let typed: Vec<std::collections::BTreeMap<String, u64>> = s.all(Table::Pods).unwrap();
+        assert_eq!(typed.len(), in_file(&s).len());
+    }
+
     #[test]
     fn updates_lose_nothing_and_never_write_back_a_removed_record() {
         let dir = tempfile::tempdir().unwrap();

@@ -5,8 +5,9 @@
 //! live.rs); a stuck monitor's pod is reported NotReady and its containers as last recorded
 //! (as containerd reports from its own store).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hako_proto::monitor as pb;
@@ -15,8 +16,9 @@ use hako_runtime::spec as oci;
 use super::host::{kill_cgroup, now_nanos, remove_cgroup};
 use super::spec::{self, parse_signal};
 use super::{
-    apply_state, new_id, rootfs, ContainerRecord, ContainerSpecReq, ContainerState, ContainerView,
-    DeviceReq, ExecOutput, ExitInfo, NsMode, PodRecord, PodState, Runtime, Security, Undo,
+    apply_state, new_id, rootfs, state_changes, ContainerRecord, ContainerSpecReq, ContainerState,
+    ContainerView, DeviceReq, ExecOutput, ExitInfo, NsMode, PodRecord, PodState, Runtime, Security,
+    Undo,
 };
 use crate::error::{chain, Error, Result};
 use crate::store::{Table, RECORD_VERSION};
@@ -493,13 +495,15 @@ impl Runtime {
         let c = self.container_record(id)?;
         let mut pid = 0;
         if let Ok(pod) = self.pod_of(&c) {
+            let pod = Arc::new(pod);
             let survey = self.survey(std::slice::from_ref(&pod)).await?;
             if let Some(s) = survey.live.get(&c.id) {
                 if s.status == pb::Status::Running as i32 {
                     pid = s.pid;
                 }
             }
-            let views = self.container_views_of(&survey, vec![self.container_record(&c.id)?])?;
+            let views =
+                self.container_views_of(&survey, vec![Arc::new(self.container_record(&c.id)?)])?;
             if let Some(v) = views.into_iter().next() {
                 // Just started: the record says Running before the watcher's next report
                 // carries the pid. Only the monitor knows it then; ask it once.
@@ -518,7 +522,7 @@ impl Runtime {
             state: c.state,
             started_at: c.started_at,
             exit: c.exit.clone(),
-            record: c,
+            record: Arc::new(c),
             pid,
         })
     }
@@ -533,7 +537,7 @@ impl Runtime {
     /// is asked. A monitor its watcher found no longer listening and not yet released (see
     /// `release_lost_monitor`) is handed to recovery (`check_monitor`: its pod turns NotReady); one that missed its deadline leaves its
     /// records as they are and its pod reported NotReady, with why.
-    pub(super) async fn survey(&self, pods: &[PodRecord]) -> Result<Survey> {
+    pub(super) async fn survey(&self, pods: &[Arc<PodRecord>]) -> Result<Survey> {
         let mut survey = Survey::default();
         for pod in pods.iter().filter(|p| p.state == PodState::Ready) {
             let Some(live) = self.live.get(&pod.id) else {
@@ -544,6 +548,7 @@ impl Runtime {
             if let Some(e) = &live.gone {
                 self.check_monitor(pod, &Error::Unavailable(e.clone()))?;
                 survey.unanswered.insert(pod.id.clone(), e.clone());
+                survey.gone.insert(pod.id.clone());
                 continue;
             }
             if let Some(why) = live.silent {
@@ -565,7 +570,8 @@ impl Runtime {
     pub(super) fn container_views(&self, survey: &Survey) -> Result<Vec<ContainerView>> {
         self.container_views_of(
             survey,
-            self.store.all::<ContainerRecord>(Table::Containers)?,
+            self.store
+                .all_shared::<ContainerRecord>(Table::Containers)?,
         )
     }
 
@@ -573,29 +579,36 @@ impl Runtime {
     fn container_views_of(
         &self,
         survey: &Survey,
-        of: Vec<ContainerRecord>,
+        of: Vec<Arc<ContainerRecord>>,
     ) -> Result<Vec<ContainerView>> {
-        let mut recs = Vec::new();
+        let mut recs = Vec::with_capacity(of.len());
         for c in of {
             let Some(s) = survey.live.get(&c.id) else {
                 recs.push(c);
                 continue;
             };
-            let mut fresh = c.clone();
-            if !apply_state(&mut fresh, s) {
+            if !state_changes(&c, s) {
                 recs.push(c);
                 continue;
             }
             // Only while it exists: one removed since the read is not listed (or written) again.
             recs.extend(
                 self.store
-                    .update(Table::Containers, &c.id, |r| apply_state(r, s))?,
+                    .update(Table::Containers, &c.id, |r| apply_state(r, s))?
+                    .map(Arc::new),
             );
         }
         Ok(recs
             .into_iter()
             .map(|c| ContainerView {
-                state: c.state,
+                state: match c.state {
+                    ContainerState::Created | ContainerState::Running
+                        if survey.gone.contains(&c.pod_id) =>
+                    {
+                        ContainerState::Unknown
+                    }
+                    s => s,
+                },
                 started_at: c.started_at,
                 exit: c.exit.clone(),
                 pid: 0,
@@ -672,6 +685,10 @@ pub(super) struct Survey {
     /// Pods reported NotReady though their record says Ready, with why: their monitor did not
     /// answer, or their PID namespace lost its init.
     pub(super) unanswered: HashMap<String, String>,
+    /// Pods whose monitor no longer listens. Until its recovery (which another call may be
+    /// running) has written their final states, their containers that did not exit are
+    /// Unknown, not what their records last said.
+    gone: HashSet<String>,
 }
 
 /// Creates the missing host paths of a container's mounts as directories, as containerd

@@ -207,7 +207,8 @@ pub struct Runtime {
 /// answer (the record keeps Ready: the pod is Ready again once it answers).
 #[derive(Debug, Clone)]
 pub struct PodView {
-    pub record: PodRecord,
+    /// Shared with the store's cache: lists copy no record.
+    pub record: Arc<PodRecord>,
     pub state: PodState,
     /// Why its monitor did not answer this time (silent, or found gone): why it is NotReady.
     pub unanswered: Option<String>,
@@ -216,7 +217,7 @@ pub struct PodView {
 /// What the CRI layer shows of a container.
 #[derive(Debug, Clone)]
 pub struct ContainerView {
-    pub record: ContainerRecord,
+    pub record: Arc<ContainerRecord>,
     pub state: ContainerState,
     pub started_at: i64,
     pub exit: Option<ExitInfo>,
@@ -332,7 +333,7 @@ impl Runtime {
     }
 
     /// A record by full id, or by a unique prefix of it, as crictl allows.
-    fn lookup<T: serde::de::DeserializeOwned>(
+    fn lookup<T: crate::store::Record>(
         &self,
         table: Table,
         id: &str,
@@ -342,14 +343,14 @@ impl Runtime {
         if let Some(r) = self.store.get::<T>(table, id)? {
             return Ok(r);
         }
-        let mut matches: Vec<T> = self
+        let mut matches: Vec<Arc<T>> = self
             .store
-            .all::<T>(table)?
+            .all_shared::<T>(table)?
             .into_iter()
             .filter(|r| !id.is_empty() && id_of(r).starts_with(id))
             .collect();
         match matches.len() {
-            1 => Ok(matches.pop().expect("one")),
+            1 => Ok(T::clone(&matches.pop().expect("one"))),
             0 => Err(Error::NotFound(format!("{what} {id} not found"))),
             _ => Err(Error::InvalidArgument(format!(
                 "{what} id prefix {id} is ambiguous"
@@ -361,8 +362,8 @@ impl Runtime {
         self.lookup(Table::Pods, id, "pod sandbox", |p: &PodRecord| &p.id)
     }
 
-    pub fn pods(&self) -> Result<Vec<PodRecord>> {
-        self.store.all(Table::Pods)
+    pub fn pods(&self) -> Result<Vec<Arc<PodRecord>>> {
+        self.store.all_shared(Table::Pods)
     }
 
     pub fn container_record(&self, id: &str) -> Result<ContainerRecord> {
@@ -392,7 +393,27 @@ impl Runtime {
 /// status call racing a stop) is stale, and must not turn an exited container back into a
 /// running one, nor a running one into a created one.
 fn apply_state(c: &mut ContainerRecord, s: &pb::ContainerState) -> bool {
-    let before = (c.state, c.started_at, c.exit.clone());
+    match next_state(c, s) {
+        Some((state, started_at, exit)) => {
+            c.state = state;
+            c.started_at = started_at;
+            c.exit = exit;
+            true
+        }
+        None => false,
+    }
+}
+
+/// Whether [`apply_state`] would change `c`.
+fn state_changes(c: &ContainerRecord, s: &pb::ContainerState) -> bool {
+    next_state(c, s).is_some()
+}
+
+/// What [`apply_state`] makes of `c`'s state, start and exit; `None` when they stay.
+fn next_state(
+    c: &ContainerRecord,
+    s: &pb::ContainerState,
+) -> Option<(ContainerState, i64, Option<ExitInfo>)> {
     let state = match pb::Status::try_from(s.status).unwrap_or(pb::Status::Unknown) {
         pb::Status::Created => ContainerState::Created,
         pb::Status::Running => ContainerState::Running,
@@ -406,21 +427,25 @@ fn apply_state(c: &mut ContainerRecord, s: &pb::ContainerState) -> bool {
         _ => false,
     };
     if stale {
-        return false;
+        return None;
     }
-    c.state = state;
-    if s.started_at != 0 {
-        c.started_at = s.started_at;
-    }
-    if c.state == ContainerState::Exited {
-        c.exit = Some(ExitInfo {
+    let started_at = if s.started_at != 0 {
+        s.started_at
+    } else {
+        c.started_at
+    };
+    let exit = if state == ContainerState::Exited {
+        Some(ExitInfo {
             code: s.exit_code,
             signal: s.signal,
             finished_at: s.finished_at,
             oom_killed: s.oom_killed,
-        });
-    }
-    before != (c.state, c.started_at, c.exit.clone())
+        })
+    } else {
+        c.exit.clone()
+    };
+    let changed = state != c.state || started_at != c.started_at || exit != c.exit;
+    changed.then_some((state, started_at, exit))
 }
 
 #[cfg(test)]

@@ -13,6 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
+use std::sync::Arc;
 
 use super::host::{
     dir_names, kill_cgroup, kill_pod_processes, remove_cgroup, remove_leftover_container_cgroups,
@@ -265,7 +266,7 @@ impl Runtime {
     /// under the same name succeeds instead of finding the name reserved by an object nobody
     /// can list or remove. Each release is logged.
     pub async fn reconcile(&self) -> Result<()> {
-        let pods: HashMap<String, PodRecord> = self
+        let pods: HashMap<String, Arc<PodRecord>> = self
             .pods()?
             .into_iter()
             .map(|p| (p.id.clone(), p))
@@ -279,7 +280,7 @@ impl Runtime {
         let containers: HashSet<String> = records.keys().cloned().collect();
         // Asked all at once (bounded), each within a short deadline: a stuck monitor delays
         // the start by one deadline.
-        let ready: Vec<&PodRecord> = pods
+        let ready: Vec<&Arc<PodRecord>> = pods
             .values()
             .filter(|p| p.state == PodState::Ready)
             .collect();
@@ -300,7 +301,7 @@ impl Runtime {
                 }
             };
             if info.pod_record.is_empty() {
-                self.keep_record(&monitor, &pod.id, "", pod).await;
+                self.keep_record(&monitor, &pod.id, "", &**pod).await;
             }
             for c in &info.containers {
                 match records.get(&c.id) {
@@ -365,7 +366,7 @@ impl Runtime {
     /// be its containers').
     async fn release_orphans(
         &self,
-        pods: &HashMap<String, PodRecord>,
+        pods: &HashMap<String, Arc<PodRecord>>,
         containers: &HashSet<String>,
     ) -> Result<()> {
         let mut unsure = false;
@@ -434,7 +435,7 @@ impl Runtime {
     /// which attachments are valid. Failures are logged: they must not keep the daemon from
     /// starting.
     async fn network_gc(&self) {
-        let pods: HashMap<String, PodRecord> = match self.pods() {
+        let pods: HashMap<String, Arc<PodRecord>> = match self.pods() {
             Ok(p) => p.into_iter().map(|p| (p.id.clone(), p)).collect(),
             Err(_) => return,
         };

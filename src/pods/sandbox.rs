@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hako_proto::monitor as pb;
@@ -27,7 +28,7 @@ impl Runtime {
     /// PodSandboxStatus: the pod as its monitor reports it now (within the read deadline).
     pub async fn pod_view(&self, id: &str) -> Result<PodView> {
         let pod = self.pod(id)?;
-        let (mut pods, _) = self.views_of(vec![pod], false).await?;
+        let (mut pods, _) = self.views_of(vec![Arc::new(pod)], false).await?;
         pods.pop()
             .ok_or_else(|| Error::NotFound(format!("pod sandbox {id} not found")))
     }
@@ -42,13 +43,13 @@ impl Runtime {
     /// turned its pod NotReady and a pod removed meanwhile is left out.
     pub(super) async fn views_of(
         &self,
-        pods: Vec<PodRecord>,
+        pods: Vec<Arc<PodRecord>>,
         containers: bool,
     ) -> Result<(Vec<PodView>, Vec<ContainerView>)> {
         let survey = self.survey(&pods).await?;
         let mut views = Vec::with_capacity(pods.len());
         for p in pods {
-            let record = match self.store.get::<PodRecord>(Table::Pods, &p.id)? {
+            let record = match self.store.get_shared::<PodRecord>(Table::Pods, &p.id)? {
                 Some(r) => r,
                 None => continue,
             };

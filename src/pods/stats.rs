@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -144,7 +144,7 @@ impl Runtime {
     /// PodSandboxStats.
     pub async fn pod_stats(&self, id: &str) -> Result<PodStats> {
         let pod = self.pod(id)?;
-        let (pods, containers) = self.views_of(vec![pod], true).await?;
+        let (pods, containers) = self.views_of(vec![Arc::new(pod)], true).await?;
         let pod = pods
             .into_iter()
             .next()

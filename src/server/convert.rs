@@ -6,7 +6,7 @@ use k8s_cri::v1 as cri;
 
 use crate::pods::{
     ContainerSpecReq, ContainerState, ContainerView, DeviceReq, Dns, MountReq, NsMode, PodRecord,
-    PodSpec, PodState, PortMapping, Propagation, SeccompReq, Security,
+    PodSpec, PodState, PodView, PortMapping, Propagation, SeccompReq, Security,
 };
 use hako_runtime::apparmor::Request as AppArmorReq;
 use hako_runtime::spec::Resources;
@@ -96,18 +96,21 @@ fn pod_metadata(s: &PodSpec) -> cri::PodSandboxMetadata {
     }
 }
 
-fn pod_state(s: PodState) -> i32 {
+pub fn pod_state(s: PodState) -> i32 {
     (match s {
         PodState::Ready => cri::PodSandboxState::SandboxReady,
         PodState::NotReady => cri::PodSandboxState::SandboxNotready,
     }) as i32
 }
 
-pub fn pod_status(p: &PodRecord) -> cri::PodSandboxStatus {
+/// The pod as reported: its record, in the state `v` gives it (NotReady while its monitor does
+/// not answer).
+pub fn pod_status(v: &PodView) -> cri::PodSandboxStatus {
+    let p = &v.record;
     cri::PodSandboxStatus {
         id: p.id.clone(),
         metadata: Some(pod_metadata(&p.spec)),
-        state: pod_state(p.state),
+        state: pod_state(v.state),
         created_at: p.created_at,
         network: Some(cri::PodSandboxNetworkStatus {
             ip: p.ips.first().cloned().unwrap_or_default(),
@@ -134,11 +137,13 @@ pub fn pod_status(p: &PodRecord) -> cri::PodSandboxStatus {
     }
 }
 
-pub fn pod_item(p: &PodRecord) -> cri::PodSandbox {
+/// [`pod_status`]' list item.
+pub fn pod_item(v: &PodView) -> cri::PodSandbox {
+    let p = &v.record;
     cri::PodSandbox {
         id: p.id.clone(),
         metadata: Some(pod_metadata(&p.spec)),
-        state: pod_state(p.state),
+        state: pod_state(v.state),
         created_at: p.created_at,
         labels: hash(&p.spec.labels),
         annotations: hash(&p.spec.annotations),

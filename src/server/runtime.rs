@@ -13,19 +13,10 @@ use super::{convert, status, unimplemented};
 use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::error::Error;
-use crate::pods::{PodRecord, PodStats, PodView};
+use crate::pods::PodStats;
 
 pub struct Runtime {
     pub(super) daemon: Arc<Daemon>,
-}
-
-/// The pod's record with the state it is reported in (NotReady while its monitor does not
-/// answer), for the conversions that read the record.
-fn reported(v: &PodView) -> PodRecord {
-    PodRecord {
-        state: v.state,
-        ..v.record.clone()
-    }
 }
 
 fn pod_stats(s: &PodStats) -> cri::PodSandboxStats {
@@ -198,15 +189,14 @@ impl RuntimeService for Runtime {
             .map_err(|e| status("ListPodSandbox", e))?;
         let items = pods
             .iter()
-            .map(reported)
-            .filter(|p| f.id.is_empty() || p.id.starts_with(&f.id))
+            .filter(|p| f.id.is_empty() || p.record.id.starts_with(&f.id))
             .filter(|p| {
                 f.state
                     .as_ref()
-                    .is_none_or(|s| convert::pod_item(p).state == s.state)
+                    .is_none_or(|s| convert::pod_state(p.state) == s.state)
             })
-            .filter(|p| convert::labels_match(&p.spec.labels, &f.label_selector))
-            .map(|p| convert::pod_item(&p))
+            .filter(|p| convert::labels_match(&p.record.spec.labels, &f.label_selector))
+            .map(convert::pod_item)
             .collect();
         Ok(Response::new(cri::ListPodSandboxResponse { items }))
     }
@@ -384,7 +374,7 @@ impl RuntimeService for Runtime {
             .await
             .map_err(|e| status("PodSandboxStatus", e))?;
         let mut resp = cri::PodSandboxStatusResponse {
-            status: Some(convert::pod_status(&reported(&view))),
+            status: Some(convert::pod_status(&view)),
             ..Default::default()
         };
         if req.verbose {
