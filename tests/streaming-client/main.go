@@ -3,7 +3,7 @@
 // Attach or PortForward would return, so the server can be tested without a CRI runtime.
 //
 //	streaming-client exec [-ws] [-tty] [-stdin] [-resize 80x24,100x30] [-proto V] [-insecure] URL
-//	streaming-client portforward [-ws] URL LOCAL:REMOTE
+//	streaming-client portforward [-ws] [-insecure] URL LOCAL:REMOTE
 //
 // exec exits with the remote command's exit code (125 on a stream error, printed).
 package main
@@ -112,13 +112,14 @@ func execCmd(args []string) int {
 func portForward(args []string) int {
 	fs := flag.NewFlagSet("portforward", flag.ExitOnError)
 	ws := fs.Bool("ws", false, "SPDY tunnelled in WebSocket instead of SPDY")
+	insecure := fs.Bool("insecure", false, "HTTPS without verifying the server (kubelet's self-signed port)")
 	fs.Parse(args)
 	u, err := url.Parse(fs.Arg(0))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 125
 	}
-	config := &rest.Config{}
+	config := &rest.Config{TLSClientConfig: rest.TLSClientConfig{Insecure: *insecure}}
 	var dialer streamhttp.Dialer
 	if *ws {
 		dialer, err = portforward.NewSPDYOverWebsocketDialerForStreaming(u, config)
