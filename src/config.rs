@@ -58,6 +58,9 @@ pub struct RuntimeConfig {
     pub restrict_oom_score_adj: bool,
     /// The cgroup driver hako tells kubelet to use (the `RuntimeConfig` RPC).
     pub cgroup_driver: CgroupDriver,
+    /// Runtime handler names (a RuntimeClass's `handler`) served as the default one; a pod
+    /// naming any other handler is refused.
+    pub handlers: Vec<String>,
 }
 
 /// How kubelet names the pods' cgroup parents. hako makes every cgroup itself, through

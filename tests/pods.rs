@@ -1788,3 +1788,80 @@ async fn a_long_grace_period_pins_neither_a_shorter_stop_nor_the_pods_stop() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// A runtime handler named in `runtime.handlers` (a RuntimeClass's handler, as Kubernetes'
+/// node suite's `test-handler`) runs pods and pulls images as the default one, is listed in
+/// Status and reported in the pod's status; any other name is still refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_configured_runtime_handler_serves_as_the_default_one() {
+    let Some((_reg, h)) = ready_with_config("[runtime]\nhandlers = [\"test-handler\"]\n").await
+    else {
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let st = rt
+        .status(cri::StatusRequest { verbose: false })
+        .await
+        .unwrap()
+        .into_inner();
+    let names: Vec<&str> = st
+        .runtime_handlers
+        .iter()
+        .map(|r| r.name.as_str())
+        .collect();
+    assert_eq!(names, ["", "test-handler"], "{:?}", st.runtime_handlers);
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = pod_config("handler", logs.path());
+    let pod = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg.clone()),
+            runtime_handler: "test-handler".into(),
+        })
+        .await
+        .expect("a pod with the configured handler")
+        .into_inner()
+        .pod_sandbox_id;
+    let status = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(status.runtime_handler, "test-handler");
+    let c = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("c", &["sleep", "300"]),
+    )
+    .await;
+    assert_eq!(exec(&mut rt, &c, "echo up").await, "up");
+    let mut im = h.images().await;
+    let image = |handler: &str| cri::ImageStatusRequest {
+        image: Some(cri::ImageSpec {
+            image: IMAGE.into(),
+            runtime_handler: handler.into(),
+            ..Default::default()
+        }),
+        verbose: false,
+    };
+    let found = im.image_status(image("test-handler")).await.unwrap();
+    assert!(found.into_inner().image.is_some(), "the default's images");
+    let e = im.image_status(image("kata")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    let e = rt
+        .run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(pod_config("kata", logs.path())),
+            runtime_handler: "kata".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("\"kata\""), "{e:?}");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

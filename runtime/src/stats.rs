@@ -26,7 +26,13 @@ pub struct Sample {
     pub page_faults: u64,
     pub major_page_faults: u64,
     pub pids: u64,
+    /// The cgroup's memory limit; None when unlimited (or the memory controller is absent).
+    pub memory_limit: Option<u64>,
 }
+
+/// v1 writes "no limit" as the largest page multiple (`9223372036854771712` with 4 KiB
+/// pages); values above this are that (kubelet's cAdvisor path uses the same bound).
+const V1_UNLIMITED: u64 = 1 << 62;
 
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
@@ -160,7 +166,7 @@ pub fn sample(cgroups_path: &str) -> Result<Sample> {
 /// what is enabled; a cgroup that is not there at all is an error.
 fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
     let rel = cgroups_path.trim_start_matches('/');
-    let (cpu_usage_ns, usage, stat, pids) = match layout {
+    let (cpu_usage_ns, usage, stat, pids, memory_limit) = match layout {
         Layout::V2(root) => {
             let dir = root.join(rel);
             // cpu.stat's usage_usec is there whether or not the cpu controller is enabled.
@@ -171,6 +177,8 @@ fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
                 read_u64(&dir.join("memory.current"))?,
                 read_optional(&dir.join("memory.stat"))?,
                 read_u64(&dir.join("pids.current"))?,
+                // "max" when unlimited; absent without the memory controller.
+                read_optional(&dir.join("memory.max"))?.trim().parse().ok(),
             )
         }
         Layout::V1(mounts) => {
@@ -195,6 +203,14 @@ fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
                     Some(p) => read_u64(&p.join("pids.current"))?,
                     None => 0,
                 },
+                match &memory {
+                    Some(m) => read_optional(&m.join("memory.limit_in_bytes"))?
+                        .trim()
+                        .parse()
+                        .ok()
+                        .filter(|&l: &u64| l <= V1_UNLIMITED),
+                    None => None,
+                },
             )
         }
     };
@@ -212,6 +228,7 @@ fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
         page_faults: get("total_pgfault", "pgfault"),
         major_page_faults: get("total_pgmajfault", "pgmajfault"),
         pids,
+        memory_limit,
     })
 }
 
@@ -351,6 +368,7 @@ mod tests {
             &t.path().join("memory").join(c),
             &[
                 ("memory.usage_in_bytes", "1000000\n"),
+                ("memory.limit_in_bytes", "83886080\n"),
                 (
                     "memory.stat",
                     "cache 7\nrss 1\ninactive_file 2\ntotal_rss 4000\ntotal_inactive_file 300000\ntotal_pgfault 55\ntotal_pgmajfault 5\n",
@@ -375,8 +393,15 @@ mod tests {
                 page_faults: 55,
                 major_page_faults: 5,
                 pids: 3,
+                memory_limit: Some(83886080),
             }
         );
+        // No limit: v1 writes its largest value.
+        write(
+            &t.path().join("memory").join(c),
+            &[("memory.limit_in_bytes", "9223372036854771712\n")],
+        );
+        assert_eq!(read_sample(&v1, c).unwrap().memory_limit, None);
         let v2 = tempfile::tempdir().unwrap();
         write(
             &v2.path().join(c),
@@ -386,6 +411,7 @@ mod tests {
                     "usage_usec 250\nuser_usec 200\nsystem_usec 50\n",
                 ),
                 ("memory.current", "2000\n"),
+                ("memory.max", "max\n"),
                 (
                     "memory.stat",
                     "anon 900\nfile 1000\ninactive_file 600\npgfault 9\npgmajfault 1\n",
@@ -404,8 +430,12 @@ mod tests {
                 page_faults: 9,
                 major_page_faults: 1,
                 pids: 2,
+                memory_limit: None,
             }
         );
+        write(&v2.path().join(c), &[("memory.max", "4096\n")]);
+        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), c).unwrap();
+        assert_eq!(s.memory_limit, Some(4096));
         // A v2 cgroup whose parent delegates no memory or pids controller: zeros, no error.
         write(&v2.path().join("bare"), &[("cpu.stat", "usage_usec 1\n")]);
         let s = read_sample(&Layout::V2(v2.path().to_path_buf()), "/bare").unwrap();

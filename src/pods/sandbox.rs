@@ -82,12 +82,6 @@ impl Runtime {
                 "pod sandbox metadata needs name, uid and namespace".into(),
             ));
         }
-        if !spec.runtime_handler.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "runtime handler {:?} is not configured",
-                spec.runtime_handler
-            )));
-        }
         if !spec.cgroup_parent.is_empty() {
             confined_cgroup_path(&spec.cgroup_parent).map_err(|why| {
                 Error::InvalidArgument(format!(

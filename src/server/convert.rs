@@ -475,7 +475,10 @@ fn cpu_memory(u: &crate::pods::Usage) -> (Option<cri::CpuUsage>, Option<cri::Mem
         Some(cri::MemoryUsage {
             timestamp: u.timestamp,
             working_set_bytes: u64v(s.working_set),
-            available_bytes: None,
+            // As kubelet's cAdvisor path and containerd compute it: only under a limit.
+            available_bytes: s
+                .memory_limit
+                .and_then(|l| u64v(l.saturating_sub(s.working_set))),
             usage_bytes: u64v(s.memory_usage),
             rss_bytes: u64v(s.rss),
             page_faults: u64v(s.page_faults),
@@ -578,6 +581,29 @@ mod tests {
         assert_eq!((d.name.as_str(), d.rx_bytes.unwrap().value), ("eth0", 9));
         assert_eq!(u.interfaces.len(), 2);
         assert_eq!(u.timestamp, 7);
+    }
+
+    #[test]
+    fn available_memory_is_the_limit_less_the_working_set() {
+        let usage = |memory_limit| crate::pods::Usage {
+            timestamp: 1,
+            sample: Some(hako_runtime::stats::Sample {
+                memory_usage: 500,
+                working_set: 300,
+                memory_limit,
+                ..Default::default()
+            }),
+            nano_cores: None,
+            writable_bytes: 0,
+            writable_inodes: 0,
+            writable_mountpoint: Default::default(),
+        };
+        let available = |limit| cpu_memory(&usage(limit)).1.unwrap().available_bytes;
+        assert_eq!(available(Some(1000)).map(|v| v.value), Some(700));
+        // Over the limit (the kernel is reclaiming): none left, not a wrapped number.
+        assert_eq!(available(Some(200)).map(|v| v.value), Some(0));
+        // kubelet reads no available memory as "unlimited".
+        assert_eq!(available(None), None);
     }
 
     #[test]

@@ -31,15 +31,11 @@ fn to_cri(i: ImageInfo) -> cri::Image {
     }
 }
 
-/// The image reference of a spec, rejecting runtime handlers hako does not have.
-fn image_ref(spec: Option<&cri::ImageSpec>) -> Result<&str, Error> {
+/// The image reference of a spec, rejecting runtime handlers hako does not have (the
+/// configured ones share the default's images).
+fn image_ref<'a>(spec: Option<&'a cri::ImageSpec>, daemon: &Daemon) -> Result<&'a str, Error> {
     let spec = spec.ok_or_else(|| Error::InvalidArgument("image spec is missing".into()))?;
-    if !spec.runtime_handler.is_empty() {
-        return Err(Error::InvalidArgument(format!(
-            "runtime handler {:?} is not configured; hako has only the default handler",
-            spec.runtime_handler
-        )));
-    }
+    super::runtime::check_handler(daemon, &spec.runtime_handler)?;
     if spec.image.trim().is_empty() {
         return Err(Error::InvalidArgument("image reference is empty".into()));
     }
@@ -74,7 +70,8 @@ impl ImageService for ImageSvc {
         req: Request<cri::ImageStatusRequest>,
     ) -> Result<Response<cri::ImageStatusResponse>, Status> {
         let req = req.into_inner();
-        let r = image_ref(req.image.as_ref()).map_err(|e| status("ImageStatus", e))?;
+        let r =
+            image_ref(req.image.as_ref(), &self.daemon).map_err(|e| status("ImageStatus", e))?;
         tracing::debug!(rpc = "ImageStatus", image = r);
         // An unknown image is not an error: the response just has no image (kubelet relies on it).
         let found = self
@@ -97,7 +94,7 @@ impl ImageService for ImageSvc {
         req: Request<cri::PullImageRequest>,
     ) -> Result<Response<cri::PullImageResponse>, Status> {
         let req = req.into_inner();
-        let r = image_ref(req.image.as_ref()).map_err(|e| status("PullImage", e))?;
+        let r = image_ref(req.image.as_ref(), &self.daemon).map_err(|e| status("PullImage", e))?;
         tracing::debug!(rpc = "PullImage", image = r);
         let creds = req
             .auth
@@ -124,7 +121,8 @@ impl ImageService for ImageSvc {
         req: Request<cri::RemoveImageRequest>,
     ) -> Result<Response<cri::RemoveImageResponse>, Status> {
         let req = req.into_inner();
-        let r = image_ref(req.image.as_ref()).map_err(|e| status("RemoveImage", e))?;
+        let r =
+            image_ref(req.image.as_ref(), &self.daemon).map_err(|e| status("RemoveImage", e))?;
         tracing::debug!(rpc = "RemoveImage", image = r);
         self.daemon
             .images

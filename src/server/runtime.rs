@@ -19,6 +19,16 @@ pub struct Runtime {
     pub(super) daemon: Arc<Daemon>,
 }
 
+/// Refuses a runtime handler that is neither the default (empty) nor configured.
+pub(super) fn check_handler(daemon: &Daemon, handler: &str) -> Result<(), Error> {
+    if handler.is_empty() || daemon.config.runtime.handlers.iter().any(|h| h == handler) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "runtime handler {handler:?} is not configured (runtime.handlers)"
+    )))
+}
+
 fn pod_stats(s: &PodStats) -> cri::PodSandboxStats {
     let containers = s
         .containers
@@ -107,13 +117,17 @@ impl RuntimeService for Runtime {
                     cond("NetworkReady", &health.network),
                 ],
             }),
-            runtime_handlers: vec![cri::RuntimeHandler {
-                name: String::new(),
-                features: Some(cri::RuntimeHandlerFeatures {
-                    recursive_read_only_mounts: true,
-                    user_namespaces: false,
-                }),
-            }],
+            // The configured handlers are the default one under other names.
+            runtime_handlers: std::iter::once(String::new())
+                .chain(self.daemon.config.runtime.handlers.iter().cloned())
+                .map(|name| cri::RuntimeHandler {
+                    name,
+                    features: Some(cri::RuntimeHandlerFeatures {
+                        recursive_read_only_mounts: true,
+                        user_namespaces: false,
+                    }),
+                })
+                .collect(),
             features: Some(cri::RuntimeFeatures {
                 supplemental_groups_policy: true,
             }),
@@ -324,6 +338,8 @@ impl RuntimeService for Runtime {
                 Error::InvalidArgument("pod sandbox config is missing".into()),
             )
         })?;
+        check_handler(&self.daemon, &req.runtime_handler)
+            .map_err(|e| status("RunPodSandbox", e))?;
         let spec = convert::pod_spec(config, req.runtime_handler);
         tracing::debug!(rpc = "RunPodSandbox", name = %spec.name, namespace = %spec.namespace);
         let id = to_completion(&self.daemon, "RunPodSandbox", |d| async move {

@@ -436,6 +436,19 @@ pub fn busybox_base_tar() -> Vec<u8> {
         bb.exists(),
         "Debian's busybox package is needed: apt-get install busybox"
     );
+    // A standalone build (busybox-static) runs its applets from sh without exec: critest's
+    // MaskedPaths spec, which needs sh's exec of the masked /bin/ls to fail, cannot pass with
+    // it. Such a sh finds `ls` with an empty PATH.
+    let standalone = Command::new(bb)
+        .args(["sh", "-c", "PATH=/nonexistent; ls / >/dev/null 2>&1"])
+        .status()
+        .expect("run busybox sh");
+    assert!(
+        !standalone.success(),
+        "{} is a standalone busybox (busybox-static?): its sh runs applets without exec, \
+         unlike the images the stand-ins replace; install Debian's dynamic busybox package",
+        bb.display()
+    );
     let mut t = Tar::default();
     for d in [
         "proc",
