@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use nix::fcntl::AtFlags;
 use nix::sys::stat::{FileStat, SFlag};
 
@@ -73,8 +72,8 @@ const LAYER_WALK: WalkLimit = WalkLimit {
     time: Duration::from_secs(1),
 };
 
-/// Usage readings (cgroup files, a layer walk) in flight at once for one list: the node has
-/// few cores, and each walk holds descriptors.
+/// Blocking tasks reading usage (cgroup files, a layer walk) at once for one list: the node
+/// has few cores, and each walk holds descriptors.
 const USAGE_READS_AT_ONCE: usize = 2;
 
 /// What a walk counted: bytes of the blocks in use (each inode once, so hard links count
@@ -207,18 +206,40 @@ impl Runtime {
         })
     }
 
-    /// Each view with its usage, a few readings at a time, in order.
+    /// Each view with its usage, in order. The readings run in at most
+    /// `USAGE_READS_AT_ONCE` blocking tasks, each reading its share of the containers in turn:
+    /// a task per container cost more in hand-offs between threads than its reads (a few
+    /// hundred containers).
     async fn with_usage(&self, views: Vec<ContainerView>) -> Result<Vec<(ContainerView, Usage)>> {
-        futures::stream::iter(views)
-            .map(|v| async move {
-                let u = self.container_usage(&v.record).await?;
-                Ok((v, u))
+        if views.is_empty() {
+            return Ok(Vec::new());
+        }
+        let share = views.len().div_ceil(USAGE_READS_AT_ONCE);
+        let tasks = views.chunks(share).map(|chunk| {
+            let jobs: Vec<(String, String, PathBuf)> = chunk
+                .iter()
+                .map(|v| {
+                    let r = &v.record;
+                    let upper = self.layer_dir(&r.id).join("upper");
+                    (r.id.clone(), r.cgroups_path.clone(), upper)
+                })
+                .collect();
+            blocking(move || {
+                Ok(jobs
+                    .iter()
+                    .map(|(id, cgroup, upper)| read_usage(id, cgroup, upper))
+                    .collect::<Vec<_>>())
             })
-            .buffered(USAGE_READS_AT_ONCE)
-            .collect::<Vec<Result<_>>>()
-            .await
+        });
+        let readings = futures::future::try_join_all(tasks).await?;
+        Ok(views
             .into_iter()
-            .collect()
+            .zip(readings.into_iter().flatten())
+            .map(|(v, r)| {
+                let u = self.usage_of(&v.record, r);
+                (v, u)
+            })
+            .collect())
     }
 
     /// Current usage of a container: its cgroup and its writable layer, read off the async
@@ -226,22 +247,21 @@ impl Runtime {
     async fn container_usage(&self, c: &ContainerRecord) -> Result<Usage> {
         let upper = self.layer_dir(&c.id).join("upper");
         let (cgroup, id) = (c.cgroups_path.clone(), c.id.clone());
-        let ((timestamp, sample), walked) = blocking(move || {
-            let cg = cgroup_sample(&cgroup);
-            let walked = match walk(&upper, LAYER_WALK) {
-                Ok(w) => w,
-                Err(e) => {
-                    tracing::debug!(container = %id, layer = %upper.display(), error = %e, "writable layer not measured");
-                    Walked::default()
-                }
-            };
-            Ok((cg, walked))
-        })
-        .await?;
+        let reading = blocking(move || Ok(read_usage(&id, &cgroup, &upper))).await?;
+        Ok(self.usage_of(c, reading))
+    }
+
+    /// A container's [`Reading`] as usage, its CPU rate from the reading before.
+    fn usage_of(&self, c: &ContainerRecord, reading: Reading) -> Usage {
+        let Reading {
+            timestamp,
+            sample,
+            walked,
+        } = reading;
         if let Some(bound) = walked.stopped {
             tracing::info!(container = %c.id, bytes = walked.bytes, inodes = walked.inodes, bound, "writable layer walk stopped at a bound: its usage is a lower bound");
         }
-        Ok(Usage {
+        Usage {
             timestamp,
             nano_cores: sample
                 .and_then(|s| self.cpu_samples.rate(&c.id, timestamp, s.cpu_usage_ns)),
@@ -249,7 +269,7 @@ impl Runtime {
             writable_bytes: walked.bytes,
             writable_inodes: walked.inodes,
             writable_mountpoint: self.root_dir.join("containers"),
-        })
+        }
     }
 
     /// Forgets the CPU readings of containers, and of pods when `pods` is given, that are not
@@ -267,6 +287,30 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Error::Internal(format!("stats task: {e}")))?
+}
+
+/// What one container's usage is read from.
+struct Reading {
+    timestamp: i64,
+    sample: Option<hako_runtime::stats::Sample>,
+    walked: Walked,
+}
+
+/// Reads a container's cgroup and walks its writable layer. Blocking.
+fn read_usage(id: &str, cgroup: &str, upper: &Path) -> Reading {
+    let (timestamp, sample) = cgroup_sample(cgroup);
+    let walked = match walk(upper, LAYER_WALK) {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::debug!(container = %id, layer = %upper.display(), error = %e, "writable layer not measured");
+            Walked::default()
+        }
+    };
+    Reading {
+        timestamp,
+        sample,
+        walked,
+    }
 }
 
 /// A cgroup's reading and its time; none when the cgroup cannot be read (gone, never made).
