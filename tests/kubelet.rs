@@ -523,31 +523,6 @@ async fn wait_kubelet_resynced(h: &Hako, from: usize, web_id: &str) {
     .await;
 }
 
-/// tests/streaming-client: client-go's remotecommand and portforward, the code kubectl and the
-/// API server talk to kubelet with. Built once per test binary; None (skipped) without Go.
-fn streaming_client() -> Option<PathBuf> {
-    static BUILT: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/streaming-client");
-            let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/streaming-client");
-            let newer = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-            if newer(&out).is_some() && newer(&out) >= newer(&src.join("main.go")) {
-                return Some(out);
-            }
-            let st = Command::new(support::which("go")?)
-                .args(["build", "-mod=mod", "-o"])
-                .arg(&out)
-                .arg(".")
-                .current_dir(&src)
-                .status()
-                .expect("run go build");
-            assert!(st.success(), "building tests/streaming-client failed");
-            Some(out)
-        })
-        .clone()
-}
-
 /// `s` percent-encoded for a URL's query.
 fn query_escape(s: &str) -> String {
     s.bytes()
@@ -566,7 +541,7 @@ fn query_escape(s: &str) -> String {
 /// hako's streaming server, SPDY as is, WebSocket (v5 exec, tunnelled port-forward) translated
 /// to SPDY; `/run` goes through ExecSync. The web pod must be running, serving on 8080.
 async fn kubelet_streams_reach_hako(k: &Kubelet, h: &Hako) {
-    let Some(client) = streaming_client() else {
+    let Some(client) = support::streaming_client() else {
         support::skip(
             "kubelet's /exec and /portForward checks",
             "go is missing (tests/streaming-client is Go)",

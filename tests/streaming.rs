@@ -139,34 +139,9 @@ impl Backend for Host {
             .map_err(|e| Error::Unavailable(format!("connect to port {port}: {e}")))
     }
 }
-/// The client, built once per test binary from tests/streaming-client (Go); `None` (skipped)
-/// without Go.
-fn client() -> Option<PathBuf> {
-    static BUILT: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/streaming-client");
-            let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/streaming-client");
-            let newer = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-            if newer(&out).is_some() && newer(&out) >= newer(&src.join("main.go")) {
-                return Some(out);
-            }
-            let go = support::which("go")?;
-            let st = std::process::Command::new(go)
-                .args(["build", "-mod=mod", "-o"])
-                .arg(&out)
-                .arg(".")
-                .current_dir(&src)
-                .status()
-                .expect("run go build");
-            assert!(st.success(), "building tests/streaming-client failed");
-            Some(out)
-        })
-        .clone()
-}
 
 fn ready() -> Option<PathBuf> {
-    let c = client();
+    let c = support::streaming_client();
     if c.is_none() {
         support::skip(
             "the whole test",
@@ -205,7 +180,7 @@ struct Out {
 
 /// Runs the client to its end with `input` on its stdin.
 async fn run(args: &[&str], input: &[u8]) -> Out {
-    let mut child = tokio::process::Command::new(client().unwrap())
+    let mut child = tokio::process::Command::new(support::streaming_client().unwrap())
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -426,7 +401,7 @@ async fn echo_server() -> (u16, Arc<AtomicUsize>) {
 /// Starts the port-forward client; returns it and the local port it listens on.
 async fn forward(url: &str, port: u16, t: &[&str]) -> (tokio::process::Child, u16) {
     let target = format!("0:{port}");
-    let mut child = tokio::process::Command::new(client().unwrap())
+    let mut child = tokio::process::Command::new(support::streaming_client().unwrap())
         .args([&["portforward"], t, &[url, &target]].concat())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -530,7 +505,7 @@ async fn killed_clients_leave_nothing_behind() {
             (attach(), "attached"),
         ];
         for (url, first) in cases {
-            let mut child = tokio::process::Command::new(client().unwrap())
+            let mut child = tokio::process::Command::new(support::streaming_client().unwrap())
                 .args([&["exec", "-stdin"], t, &[&url]].concat())
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())

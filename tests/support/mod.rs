@@ -120,3 +120,30 @@ pub fn which(name: &str) -> Option<PathBuf> {
     }
     dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
 }
+
+/// tests/streaming-client: client-go's remotecommand and portforward, the code kubectl and the
+/// API server talk to kubelet with. Built once per test binary; `None` (skipped) without Go.
+#[allow(dead_code)]
+pub fn streaming_client() -> Option<std::path::PathBuf> {
+    use std::path::PathBuf;
+    static BUILT: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/streaming-client");
+            let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/streaming-client");
+            let newer = |p: &PathBuf| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+            if newer(&out).is_some() && newer(&out) >= newer(&src.join("main.go")) {
+                return Some(out);
+            }
+            let st = std::process::Command::new(which("go")?)
+                .args(["build", "-mod=mod", "-o"])
+                .arg(&out)
+                .arg(".")
+                .current_dir(&src)
+                .status()
+                .expect("run go build");
+            assert!(st.success(), "building tests/streaming-client failed");
+            Some(out)
+        })
+        .clone()
+}
