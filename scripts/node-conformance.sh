@@ -18,6 +18,7 @@
 #   HAKO_NODE_CONFORMANCE_PROCS   suite processes per sitting sharing the node (default 3), as
 #                                 ginkgo's parallel mode runs non-Serial specs
 #   HAKO_NODE_CONFORMANCE_FOCUS   a ginkgo focus regexp: only those specs (of the label filter)
+#   HAKO_NODE_CONFORMANCE_STRICT=1  fail unless every spec run passed (or the suite skipped it)
 #   HAKO_NODE_CONFORMANCE_LABELS  the label filter (default: the one above)
 #   HAKO_NODE_CONFORMANCE_NICE=1  run at nice 10 outside the lock (it uses port 6443: not
 #                                 while tests/kubelet.rs's kubeadm preflight runs)

@@ -574,6 +574,23 @@ featureGates:
         "the suite ran no spec: see {}",
         report.display()
     );
+    // HAKO_NODE_CONFORMANCE_STRICT=1 (CI): every spec run passed, or the suite skipped it
+    // with its reason.
+    if std::env::var_os("HAKO_NODE_CONFORMANCE_STRICT").is_some_and(|v| v == "1") {
+        let bad: Vec<&(String, String, String)> = results
+            .iter()
+            .filter(|(state, _, _)| state != "passed" && state != "skipped")
+            .collect();
+        assert!(
+            bad.is_empty(),
+            "{} spec(s) did not pass: {:?}\nsee {}",
+            bad.len(),
+            bad.iter()
+                .map(|(s, n, _)| format!("{s}: {n}"))
+                .collect::<Vec<_>>(),
+            report.display()
+        );
+    }
 }
 
 /// The focus of each suite process: the specs the label filter (and the focus from the
