@@ -243,15 +243,27 @@ where
         }
         _ = &mut handler => {}
     }
-    // Flush what the handler queued. The queue may be full (output outran a slow client), so
-    // the end marker is sent while the writer runs; the idle timeout bounds a client that
-    // stops reading (every frame written counts as activity).
-    let flush = async {
+    finish(out_tx, None, &mut writer, &mut reader, &activity, idle).await;
+}
+
+/// Ends a connection whose session is over: `last` (the end marker) is queued while the
+/// writer runs, since the queue may be full (output outran a slow client); the idle timeout
+/// bounds a client that stops reading (every frame written counts as activity). Then the
+/// client gets a moment to close first.
+pub async fn finish<M>(
+    out_tx: mpsc::Sender<M>,
+    last: M,
+    writer: impl Future + Unpin,
+    mut reader: impl Future + Unpin,
+    activity: &Activity,
+    idle: Duration,
+) {
+    let flush = async move {
         tokio::join!(
             async move {
-                let _ = out_tx.send(None).await;
+                let _ = out_tx.send(last).await;
             },
-            &mut writer
+            writer
         )
     };
     tokio::select! {
@@ -262,8 +274,7 @@ where
             return;
         }
     }
-    // Then give the client a moment to close first.
-    let _ = tokio::time::timeout(LINGER, &mut reader).await;
+    let _ = tokio::time::timeout(LINGER, reader).await;
 }
 
 async fn read_loop<R: AsyncRead>(

@@ -455,25 +455,15 @@ pub async fn ws_session<IO, F>(
         }
         _ = &mut session => {}
     }
-    // The close frame is queued while the writer runs (the queue may be full with a slow
-    // client), bounded by the idle timeout; then the client gets a moment to close first.
-    let flush = async {
-        tokio::join!(
-            async move {
-                let _ = out_tx.send(ws::close(1000)).await;
-            },
-            &mut writer
-        )
-    };
-    tokio::select! {
-        _ = flush => {}
-        _ = &mut reader => return,
-        _ = activity.idle(idle) => {
-            tracing::info!(idle_s = idle.as_secs(), "streaming connection idle: closed");
-            return;
-        }
-    }
-    let _ = tokio::time::timeout(conn::LINGER, &mut reader).await;
+    conn::finish(
+        out_tx,
+        ws::close(1000),
+        &mut writer,
+        &mut reader,
+        &activity,
+        idle,
+    )
+    .await;
 }
 
 /// A client message's channel and payload.
