@@ -567,12 +567,24 @@ impl Store {
         change: impl FnOnce(&mut T) -> bool,
     ) -> Result<Option<T>> {
         let _writes = self.lock_writes();
+        // With the writes held, the cache holds what is committed: no need to decode it again.
+        let cached = {
+            let cache = self.read_cache(t);
+            match cache.rows.get(id) {
+                None if cache.loaded => return Ok(None),
+                Some(row) => Arc::clone(row).downcast::<T>().ok(),
+                None => None,
+            }
+        };
         let txn = self.db.begin_write()?;
         let rec = {
             let mut table = txn.open_table(t.def())?;
-            let current = match table.get(id)? {
-                Some(v) => read_record::<T>(t.name(), id, v.value())?.ok(),
-                None => None,
+            let current = match cached {
+                Some(r) => Some(T::clone(&r)),
+                None => match table.get(id)? {
+                    Some(v) => read_record::<T>(t.name(), id, v.value())?.ok(),
+                    None => None,
+                },
             };
             let Some(mut rec) = current else {
                 // An unreadable record is quarantined by the next read, not here.
@@ -943,48 +955,54 @@ mod runtime_tables {
 
     #[test]
     fn updates_lose_nothing_and_never_write_back_a_removed_record() {
-        let dir = tempfile::tempdir().unwrap();
-        let s = std::sync::Arc::new(Store::open(&dir.path().join("m.db")).unwrap());
-        s.put(Table::Containers, "c", &serde_json::json!({"v": 1, "n": 0}))
-            .unwrap();
-        let workers: Vec<_> = (0..4)
-            .map(|_| {
-                let s = s.clone();
-                std::thread::spawn(move || {
-                    for _ in 0..25 {
-                        s.update(Table::Containers, "c", |r: &mut serde_json::Value| {
-                            r["n"] = (r["n"].as_u64().unwrap() + 1).into();
-                            true
-                        })
-                        .unwrap()
-                        .expect("present");
-                    }
+        // Cold: the record read from the file; warm: from the decoded copy.
+        for warm in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let s = std::sync::Arc::new(Store::open(&dir.path().join("m.db")).unwrap());
+            s.put(Table::Containers, "c", &serde_json::json!({"v": 1, "n": 0}))
+                .unwrap();
+            if warm {
+                let _: Option<serde_json::Value> = s.get(Table::Containers, "c").unwrap();
+            }
+            let workers: Vec<_> = (0..4)
+                .map(|_| {
+                    let s = s.clone();
+                    std::thread::spawn(move || {
+                        for _ in 0..25 {
+                            s.update(Table::Containers, "c", |r: &mut serde_json::Value| {
+                                r["n"] = (r["n"].as_u64().unwrap() + 1).into();
+                                true
+                            })
+                            .unwrap()
+                            .expect("present");
+                        }
+                    })
                 })
-            })
-            .collect();
-        for w in workers {
-            w.join().unwrap();
+                .collect();
+            for w in workers {
+                w.join().unwrap();
+            }
+            let r: serde_json::Value = s.get(Table::Containers, "c").unwrap().unwrap();
+            assert_eq!(r["n"], 100);
+            // An unchanged record is not rewritten, and says what is stored.
+            let same = s
+                .update(Table::Containers, "c", |_: &mut serde_json::Value| false)
+                .unwrap();
+            assert_eq!(same, Some(r));
+            s.delete(Table::Containers, "c").unwrap();
+            let after = s
+                .update(Table::Containers, "c", |r: &mut serde_json::Value| {
+                    r["n"] = 0.into();
+                    true
+                })
+                .unwrap();
+            assert_eq!(after, None);
+            assert_eq!(
+                s.get::<serde_json::Value>(Table::Containers, "c").unwrap(),
+                None,
+                "a removed record stays removed"
+            );
         }
-        let r: serde_json::Value = s.get(Table::Containers, "c").unwrap().unwrap();
-        assert_eq!(r["n"], 100);
-        // An unchanged record is not rewritten, and says what is stored.
-        let same = s
-            .update(Table::Containers, "c", |_: &mut serde_json::Value| false)
-            .unwrap();
-        assert_eq!(same, Some(r));
-        s.delete(Table::Containers, "c").unwrap();
-        let after = s
-            .update(Table::Containers, "c", |r: &mut serde_json::Value| {
-                r["n"] = 0.into();
-                true
-            })
-            .unwrap();
-        assert_eq!(after, None);
-        assert_eq!(
-            s.get::<serde_json::Value>(Table::Containers, "c").unwrap(),
-            None,
-            "a removed record stays removed"
-        );
     }
 
     #[test]
