@@ -18,6 +18,9 @@
 #   HAKO_NODE_CONFORMANCE_PROCS   suite processes per sitting sharing the node (default 3), as
 #                                 ginkgo's parallel mode runs non-Serial specs
 #   HAKO_NODE_CONFORMANCE_FOCUS   a ginkgo focus regexp: only those specs (of the label filter)
+#   HAKO_NODE_CONFORMANCE_SKIP    a ginkgo skip regexp: specs left out (the summary names them)
+#   HAKO_NODE_CONFORMANCE_ATTEMPTS  run a failed spec again, up to this many attempts in all
+#                                 (default 1; the summary names every spec that took more)
 #   HAKO_NODE_CONFORMANCE_STRICT=1  fail unless every spec run passed (or the suite skipped it)
 #   HAKO_NODE_CONFORMANCE_LABELS  the label filter (default: the one above)
 #   HAKO_NODE_CONFORMANCE_NICE=1  run at nice 10 outside the lock (it uses port 6443: not

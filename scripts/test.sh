@@ -28,9 +28,15 @@ summary() {
 }
 trap summary EXIT
 cargo test --workspace --locked -- --test-threads=2
-# Kubernetes' node conformance suite (test/e2e_node), the part that fits CI's time: 77 of the
-# 432 specs (these groups; about 3 minutes on 8 suite processes), each required to pass. The
-# whole suite is one command, scripts/node-conformance.sh (docs/CONFORMANCE.md).
-HAKO_NODE_CONFORMANCE_STRICT=1 HAKO_NODE_CONFORMANCE_PROCS=8 \
-  HAKO_NODE_CONFORMANCE_FOCUS='Container Runtime blackbox test|Downward API|Security Context|Kubelet when scheduling|Container Lifecycle Hook|Variable Expansion|InitContainer|Sysctls|Lease|RuntimeClass|Ephemeral' \
+# Kubernetes' node conformance suite (test/e2e_node): all 432 NodeConformance specs (the label
+# filter of scripts/node-conformance.sh) but the 4 these machines make fail, each required to
+# pass. Left out, with their reasons (docs/CONFORMANCE.md):
+#   Secrets/ConfigMap "consumable via the environment": Debian's busybox sh drops variable
+#     names with '-' from the environment it passes on (the stand-in image's shell);
+#   PrivilegedPod: `ip link add ... type dummy` needs the dummy module, absent here;
+#   Summary API: expects PSI and the kubelet/runtime/misc system containers (cgroup v1 here).
+# A spec that fails gets one more attempt, as Kubernetes' own node e2e jobs give; the summary
+# names every spec that needed it. About 12 minutes on 16 suite processes.
+HAKO_NODE_CONFORMANCE_STRICT=1 HAKO_NODE_CONFORMANCE_PROCS=16 HAKO_NODE_CONFORMANCE_ATTEMPTS=2 \
+  HAKO_NODE_CONFORMANCE_SKIP='\[sig-node\] (Secrets|ConfigMap) should be consumable via the environment |\[sig-node\] PrivilegedPod should enable privileged commands |\[sig-node\] Summary API when querying /stats/summary should report resource usage through the stats api ' \
   bash scripts/node-conformance.sh target/node-conformance/ci

@@ -309,8 +309,19 @@ async fn wait_listening(what: &str, addr: &str, proc: &mut Proc, timeout: Durati
     }
 }
 
-/// (state, spec name, failure message) of every spec in ginkgo's JSON report.
-fn spec_results(report: &Path) -> Vec<(String, String, String)> {
+/// What ginkgo's JSON report says of one spec.
+struct SpecResult {
+    state: String,
+    name: String,
+    /// The failure message of its last attempt.
+    message: String,
+    /// How many times it ran (more than one when a failed attempt was retried).
+    attempts: u64,
+    seconds: f64,
+}
+
+/// Every spec in ginkgo's JSON report.
+fn spec_results(report: &Path) -> Vec<SpecResult> {
     let text = std::fs::read_to_string(report).unwrap_or_else(|e| panic!("{report:?}: {e}"));
     let suites: serde_json::Value = serde_json::from_str(&text).unwrap();
     let mut out = Vec::new();
@@ -328,14 +339,16 @@ fn spec_results(report: &Path) -> Vec<(String, String, String)> {
                 .filter(|t| !t.is_empty())
                 .collect();
             name.push(spec["LeafNodeText"].as_str().unwrap_or("").to_string());
-            out.push((
-                spec["State"].as_str().unwrap_or("").to_string(),
-                name.join(" "),
-                spec["Failure"]["Message"]
+            out.push(SpecResult {
+                state: spec["State"].as_str().unwrap_or("").to_string(),
+                name: name.join(" "),
+                message: spec["Failure"]["Message"]
                     .as_str()
                     .unwrap_or("")
                     .to_string(),
-            ));
+                attempts: spec["NumAttempts"].as_u64().unwrap_or(1),
+                seconds: spec["RunTime"].as_f64().unwrap_or(0.0) / 1e9,
+            });
         }
     }
     out
@@ -356,6 +369,16 @@ async fn node_conformance_suite() {
     let labels =
         std::env::var("HAKO_NODE_CONFORMANCE_LABELS").unwrap_or_else(|_| DEFAULT_LABELS.into());
     let focus = std::env::var("HAKO_NODE_CONFORMANCE_FOCUS").unwrap_or_default();
+    // Specs left out by name (a ginkgo skip regexp): those that cannot pass on the machine, each
+    // named with its reason where the caller sets this (scripts/test.sh).
+    let skip = std::env::var("HAKO_NODE_CONFORMANCE_SKIP").unwrap_or_default();
+    // A spec that fails is run again up to this many attempts in all; the summary names every
+    // spec that needed more than one.
+    let attempts: u32 = std::env::var("HAKO_NODE_CONFORMANCE_ATTEMPTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
+        .max(1);
     let suite = bin.join("e2e_node.test");
     assert!(suite.is_file(), "{suite:?} missing: build it first");
     let kubelet_bin = support::which("kubelet").expect("kubelet (build .ci/build-kubelet.sh)");
@@ -489,7 +512,17 @@ featureGates:
 
     // Specs without the Serial label may share the node: several suite processes, each with
     // its part of the spec list, as ginkgo's parallel mode runs them.
-    let parts = spec_parts(&suite, &labels, &focus, work.path());
+    let selected = dry_run(&suite, &labels, &focus, &skip, work.path());
+    let left_out: Vec<String> = if skip.is_empty() {
+        Vec::new()
+    } else {
+        dry_run(&suite, &labels, &focus, "", work.path())
+            .into_iter()
+            .map(|s| s.name)
+            .filter(|n| !selected.iter().any(|s| &s.name == n))
+            .collect()
+    };
+    let parts = spec_parts(selected);
     let started = Instant::now();
     kubelet.check_running();
     let mut runs = Vec::new();
@@ -499,6 +532,7 @@ featureGates:
             format!("--ginkgo.focus={part_focus}"),
             "--ginkgo.no-color".into(),
             "--ginkgo.timeout=24h".into(),
+            format!("--ginkgo.flake-attempts={attempts}"),
             format!(
                 "--ginkgo.json-report={}",
                 report.join(format!("report-{i}.json")).display()
@@ -546,10 +580,10 @@ featureGates:
     }
     // Each process's report lists every spec of the binary, those its focus and labels left
     // out as skipped without a message: only the others were run (or skipped by the suite).
-    results.retain(|(state, _, msg)| state != "skipped" || !msg.is_empty());
+    results.retain(|r| r.state != "skipped" || !r.message.is_empty());
     let mut counts = std::collections::BTreeMap::<&str, usize>::new();
-    for (state, _, _) in &results {
-        *counts.entry(state.as_str()).or_default() += 1;
+    for r in &results {
+        *counts.entry(r.state.as_str()).or_default() += 1;
     }
     let mut summary = format!(
         "{} suite process(es) exited {statuses:?} after {:.0} s; specs: {}; {counts:?}\n",
@@ -557,13 +591,37 @@ featureGates:
         took.as_secs_f64(),
         results.len()
     );
-    for (state, name, msg) in &results {
-        if state != "passed" {
-            let first = msg.lines().next().unwrap_or("");
-            summary.push_str(&format!("{state}: {name}\n    {first}\n"));
+    for r in &results {
+        if r.state != "passed" {
+            let first = r.message.lines().next().unwrap_or("");
+            summary.push_str(&format!("{}: {}\n    {first}\n", r.state, r.name));
         }
     }
+    for r in results.iter().filter(|r| r.attempts > 1) {
+        summary.push_str(&format!(
+            "{} after {} attempts: {}\n",
+            r.state, r.attempts, r.name
+        ));
+    }
+    if !left_out.is_empty() {
+        summary.push_str(&format!(
+            "left out by HAKO_NODE_CONFORMANCE_SKIP ({}): {}\n",
+            left_out.len(),
+            left_out.join("; ")
+        ));
+    }
     std::fs::write(report.join("summary.txt"), &summary).unwrap();
+    let mut durations: Vec<String> = results
+        .iter()
+        .filter(|r| r.state == "passed")
+        .map(|r| format!("{:.1}\t{}\n", r.seconds, r.name))
+        .collect();
+    durations.sort_by(|a, b| {
+        a.split_once('\t')
+            .map(|x| x.1)
+            .cmp(&b.split_once('\t').map(|x| x.1))
+    });
+    std::fs::write(report.join("durations.tsv"), durations.concat()).unwrap();
     eprintln!("{summary}");
     drop(kubelet);
     remove_all_pods(&h).await;
@@ -577,27 +635,49 @@ featureGates:
     // HAKO_NODE_CONFORMANCE_STRICT=1 (CI): every spec run passed, or the suite skipped it
     // with its reason.
     if std::env::var_os("HAKO_NODE_CONFORMANCE_STRICT").is_some_and(|v| v == "1") {
-        let bad: Vec<&(String, String, String)> = results
+        let bad: Vec<&SpecResult> = results
             .iter()
-            .filter(|(state, _, _)| state != "passed" && state != "skipped")
+            .filter(|r| r.state != "passed" && r.state != "skipped")
             .collect();
         assert!(
             bad.is_empty(),
             "{} spec(s) did not pass: {:?}\nsee {}",
             bad.len(),
             bad.iter()
-                .map(|(s, n, _)| format!("{s}: {n}"))
+                .map(|r| format!("{}: {}", r.state, r.name))
                 .collect::<Vec<_>>(),
             report.display()
         );
     }
 }
 
-/// The focus of each suite process: the specs the label filter (and the focus from the
-/// environment, if any) selects (a dry run lists them), narrowed to shard `i/n` of
+/// The specs the label filter, the focus and the skip regexp from the environment select (a
+/// dry run of the suite lists them).
+fn dry_run(suite: &Path, labels: &str, focus: &str, skip: &str, work: &Path) -> Vec<DrySpec> {
+    let dry = work.join("dry-run.json");
+    let mut dry_run = Command::new(suite);
+    if !focus.is_empty() {
+        dry_run.arg(format!("--ginkgo.focus={focus}"));
+    }
+    if !skip.is_empty() {
+        dry_run.arg(format!("--ginkgo.skip={skip}"));
+    }
+    let out = dry_run
+        .arg("--ginkgo.dry-run")
+        .arg(format!("--ginkgo.label-filter={labels}"))
+        .arg(format!("--ginkgo.json-report={}", dry.display()))
+        .arg("--prepull-images=false")
+        .current_dir(work)
+        .output()
+        .expect("list the specs");
+    assert!(out.status.success(), "dry run: {out:?}");
+    dry_run_specs(&dry)
+}
+
+/// The focus of each suite process: the selected specs narrowed to shard `i/n` of
 /// `$HAKO_NODE_CONFORMANCE_SHARD` (so a caller can run the list in several sittings) and dealt
-/// round-robin to `$HAKO_NODE_CONFORMANCE_PROCS` processes, each focused on its exact names.
-fn spec_parts(suite: &Path, labels: &str, focus: &str, work: &Path) -> Vec<String> {
+/// to `$HAKO_NODE_CONFORMANCE_PROCS` processes, each focused on its exact names.
+fn spec_parts(selected: Vec<DrySpec>) -> Vec<String> {
     let (shard, shards) = match std::env::var("HAKO_NODE_CONFORMANCE_SHARD") {
         Ok(v) if !v.is_empty() => {
             let (i, n) = v.split_once('/').expect("HAKO_NODE_CONFORMANCE_SHARD: i/n");
@@ -611,27 +691,13 @@ fn spec_parts(suite: &Path, labels: &str, focus: &str, work: &Path) -> Vec<Strin
         .and_then(|v| v.parse().ok())
         .unwrap_or(3)
         .max(1);
-    let dry = work.join("dry-run.json");
-    let mut dry_run = Command::new(suite);
-    if !focus.is_empty() {
-        dry_run.arg(format!("--ginkgo.focus={focus}"));
-    }
-    let out = dry_run
-        .arg("--ginkgo.dry-run")
-        .arg(format!("--ginkgo.label-filter={labels}"))
-        .arg(format!("--ginkgo.json-report={}", dry.display()))
-        .arg("--prepull-images=false")
-        .current_dir(work)
-        .output()
-        .expect("list the specs");
-    assert!(out.status.success(), "dry run: {out:?}");
     // The specs of an Ordered container share state (a pod made by the first, looked at by
     // the next) and must run in one process, as ginkgo keeps them. The dry run's report does
     // not say which containers are Ordered; among the selected specs (v1.37.2) only those of
     // container_lifecycle_test.go are: the specs of each of its innermost containers stay
     // together.
     let mut groups = std::collections::BTreeMap::<String, Vec<String>>::new();
-    for spec in dry_run_specs(&dry) {
+    for spec in selected {
         let key = if spec.file.ends_with("/container_lifecycle_test.go") {
             spec.container
         } else {
@@ -650,17 +716,50 @@ fn spec_parts(suite: &Path, labels: &str, focus: &str, work: &Path) -> Vec<Strin
         .collect();
     let mut parts = vec![Vec::new(); procs.min(mine.len()).max(1)];
     let n = parts.len();
-    // Biggest groups first, each to the process with the fewest specs so far.
-    let mut mine = mine;
-    mine.sort_by_key(|g| std::cmp::Reverse(g.len()));
-    for group in mine {
-        let least = (0..n).min_by_key(|&i| parts[i].len()).unwrap();
+    // The run ends with its slowest process, and the specs' times differ a hundredfold (a
+    // device plugin spec waits 5 minutes): the longest groups first, each to the process with
+    // the least time dealt so far, by the times of an earlier run.
+    let durations = known_durations();
+    let time_of = |g: &Vec<String>| -> f64 {
+        g.iter()
+            .map(|name| {
+                durations
+                    .get(name.as_str())
+                    .copied()
+                    .unwrap_or(UNKNOWN_DURATION)
+            })
+            .sum()
+    };
+    let mut mine: Vec<(f64, Vec<String>)> = mine.into_iter().map(|g| (time_of(&g), g)).collect();
+    mine.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mut dealt = vec![0.0f64; n];
+    for (time, group) in mine {
+        let least = (0..n)
+            .min_by(|&a, &b| dealt[a].total_cmp(&dealt[b]))
+            .unwrap();
+        dealt[least] += time;
         parts[least].extend(group.iter().map(|name| regex_quote(name)));
     }
     parts
         .into_iter()
         // ginkgo matches the focus against "<suite description> <spec text>".
         .map(|p| format!(" (?:{})$", p.join("|")))
+        .collect()
+}
+
+/// Seconds per spec, from an earlier run (`durations.tsv` of its report).
+const DURATIONS: &str = include_str!("node-conformance-durations.tsv");
+/// A spec not in that list: about what most take.
+const UNKNOWN_DURATION: f64 = 30.0;
+
+fn known_durations() -> std::collections::HashMap<&'static str, f64> {
+    DURATIONS
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (secs, name) = l.split_once('\t')?;
+            Some((name, secs.parse().ok()?))
+        })
         .collect()
 }
 
