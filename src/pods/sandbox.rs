@@ -12,7 +12,7 @@ use hako_proto::monitor as pb;
 use hako_runtime::monitor::{NamespaceSet, Options as MonitorOptions};
 
 use super::host::{
-    kill_pod_processes, monitor_alive, now_nanos, remove_cgroup, remove_leftover_container_cgroups,
+    kill_pod_processes, monitor_gone, now_nanos, remove_cgroup, remove_leftover_container_cgroups,
 };
 use super::monitor_client::{self, MonitorClient};
 use super::spec::{confined_cgroup_path, pod_cgroup};
@@ -313,12 +313,7 @@ impl Runtime {
         }
         // The monitor removes its socket last and exits right after: the stop is complete when
         // it is gone (bounded; a zombie no longer counts).
-        for _ in 0..100 {
-            if !monitor_alive(pod.monitor_pid) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        monitor_gone(pod.monitor_pid, Duration::from_secs(1)).await;
         self.mark_not_ready(&pod.id)?;
         tracing::info!(pod = %pod.id, "pod sandbox stopped");
         Ok(())
