@@ -256,6 +256,7 @@ impl Runtime {
             // Its monitor may have died before the network was torn down.
             return self.detach(&pod).await;
         }
+        let t0 = std::time::Instant::now();
         let containers = self.containers_of(&pod.id)?;
         let monitor = self.monitor(&pod);
         let states: HashMap<String, pb::ContainerState> = match monitor.info().await {
@@ -303,7 +304,9 @@ impl Runtime {
         }
         // Before the namespace goes: plugins clean up inside it. A failure fails the stop
         // (kubelet retries it) rather than leak an IP lease.
+        let t_containers = t0.elapsed();
         self.detach(&pod).await?;
+        let t_network = t0.elapsed();
         if !monitor.shutdown().await {
             // A monitor that does not finish its teardown is ended, and what it pinned
             // released, here: the pod's removal must not find its namespaces still mounted.
@@ -313,8 +316,20 @@ impl Runtime {
         }
         // The monitor removes its socket last and exits right after: the stop is complete when
         // it is gone (bounded; a zombie no longer counts).
+        let t_shutdown = t0.elapsed();
         monitor_gone(pod.monitor_pid, Duration::from_secs(1)).await;
+        let t_gone = t0.elapsed();
         self.mark_not_ready(&pod.id)?;
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        tracing::debug!(
+            pod = %pod.id,
+            containers_ms = ms(t_containers),
+            network_ms = ms(t_network - t_containers),
+            shutdown_ms = ms(t_shutdown - t_network),
+            exit_ms = ms(t_gone - t_shutdown),
+            record_ms = ms(t0.elapsed() - t_gone),
+            "stop timings"
+        );
         tracing::info!(pod = %pod.id, "pod sandbox stopped");
         Ok(())
     }
