@@ -151,8 +151,7 @@ fn main() {
                         }),
                     })
                     .await;
-                // Settle the page cache writeback of the previous round so rounds are alike.
-                nix::unistd::sync();
+                settle(&reg);
                 let t = Instant::now();
                 c.pull_image(cri::PullImageRequest {
                     image: Some(cri::ImageSpec {
@@ -410,6 +409,36 @@ async fn cold_start(r: &Runtime, image: &str) -> (f64, f64, f64, u64) {
     (pulled, started, first_line, disk)
 }
 
+/// Puts every round on the same footing. Writes out what the previous round left dirty, then,
+/// because this machine's root is ext4 without a journal, drops the clean caches: such an ext4
+/// skips every inode deleted in the last 30 s whose inode table block is still cached, looking
+/// each one up, when it allocates an inode. After one runtime's root (thousands of files) was
+/// removed, the next runtime's unpack of `/usr/share` spent most of its time in the kernel's
+/// `recently_deleted` and took 1.7–2.0 s instead of 0.5 s (perf, 2026-11-24). The registry's
+/// files are read back in so downloads come from memory, as they did before.
+fn settle(reg: &Registry) {
+    nix::unistd::sync();
+    if let Err(e) = std::fs::write("/proc/sys/vm/drop_caches", "3") {
+        eprintln!("caches not dropped between rounds ({e}): rounds after a removal may be slower");
+        return;
+    }
+    fn warm(dir: &Path) {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            match e.file_type() {
+                Ok(t) if t.is_dir() => warm(&p),
+                Ok(t) if t.is_file() => {
+                    if let Ok(mut f) = std::fs::File::open(&p) {
+                        let _ = std::io::copy(&mut f, &mut std::io::sink());
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    warm(&reg.data_dir());
+}
+
 /// Starts a fresh runtime with an empty root.
 type Starter = Box<dyn Fn() -> Runtime>;
 /// A runtime's name, its pull, start and first-line times (ms), and its root dir's size.
@@ -505,7 +534,7 @@ async fn cold_starts(reg: &Registry, rounds: usize) {
         let mut rows: Vec<Row> = vec![(String::new(), vec![], vec![], vec![], 0); starters.len()];
         for round in 0..rounds {
             for (si, (_, start)) in starters.iter().enumerate() {
-                nix::unistd::sync();
+                settle(reg);
                 let r = start();
                 let (p, s, f, d) = cold_start(&r, &names[ii]).await;
                 eprintln!("{what} round {round}: {:<16} pull {p:.0} ms, started {s:.0} ms, first line {f:.0} ms", r.name);

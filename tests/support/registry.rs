@@ -10,7 +10,7 @@ pub const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
 pub struct Registry {
     pub addr: String,
     child: Child,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     pub log: PathBuf,
 }
 
@@ -25,6 +25,11 @@ pub fn free_port() -> u16 {
 impl Registry {
     pub fn start() -> Registry {
         Self::start_with_auth(None)
+    }
+
+    /// Where the registry keeps its blobs and manifests.
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
     }
 
     /// With `htpasswd`, the registry demands HTTP basic auth checked against that bcrypt file.
@@ -84,7 +89,7 @@ impl Registry {
         Registry {
             addr,
             child,
-            _dir: dir,
+            dir,
             log,
         }
     }
