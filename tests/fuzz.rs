@@ -756,7 +756,7 @@ fn decode_layer(blob: &[u8]) -> Decoded {
             .take(UNPACK_STREAM_CAP + 1)
             .read_to_end(&mut out)
     } else if blob.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
-        match ruzstd::decoding::StreamingDecoder::new(blob) {
+        match zstd::stream::read::Decoder::new(blob) {
             Ok(d) => d.take(UNPACK_STREAM_CAP + 1).read_to_end(&mut out),
             Err(_) => return Decoded::Corrupt(out),
         }
@@ -977,9 +977,7 @@ fn unpack_one(ws: &mut Workspace, input: &[u8]) -> RunResult {
             e.write_all(&tar).unwrap();
             e.finish().unwrap()
         }
-        2 => {
-            ruzstd::encoding::compress_to_vec(&tar[..], ruzstd::encoding::CompressionLevel::Fastest)
-        }
+        2 => zstd::bulk::compress(&tar[..], 1).unwrap(),
         _ => tar,
     };
     let (stream, whole) = match decode_layer(&blob) {

@@ -161,7 +161,7 @@ impl Layer {
                 )
             }
             Compression::Zstd => (
-                ruzstd::encoding::compress_to_vec(tar, ruzstd::encoding::CompressionLevel::Fastest),
+                zstd::bulk::compress(tar, 1).unwrap(),
                 "application/vnd.oci.image.layer.v1.tar+zstd",
             ),
         };

@@ -450,8 +450,7 @@ fn gzip_and_zstd_layers_unpack_with_the_uncompressed_digest() {
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     gz.write_all(&t).unwrap();
     let gz = gz.finish().unwrap();
-    let zst =
-        ruzstd::encoding::compress_to_vec(&t[..], ruzstd::encoding::CompressionLevel::Fastest);
+    let zst = zstd::bulk::compress(&t[..], 1).unwrap();
     for (name, data) in [("gz", gz), ("zst", zst)] {
         let root = tempfile::tempdir().unwrap();
         let l = layer_dir(&root, name);
@@ -459,6 +458,42 @@ fn gzip_and_zstd_layers_unpack_with_the_uncompressed_digest() {
         assert_eq!(u.diff_id, diff_id(&t));
         assert_eq!(fs::read(l.join("hello")).unwrap(), b"world", "{name}");
     }
+}
+
+#[test]
+fn zstd_layers_of_several_frames_unpack_whole_and_trailing_bytes_fail() {
+    // Parallel encoders may write a layer as several frames; `zstd -d` decodes them all.
+    let t = tarball(&[
+        E::File("first", &[b'a'; 3000], 0o644),
+        E::File("second", &[b'b'; 3000], 0o644),
+    ]);
+    let mut frames = zstd::bulk::compress(&t[..2048], 1).unwrap();
+    frames.extend(zstd::bulk::compress(&t[2048..], 1).unwrap());
+    let root = tempfile::tempdir().unwrap();
+    let l = layer_dir(&root, "frames");
+    let u = unpack_layer(
+        Cursor::new(&frames),
+        &l,
+        &[],
+        &diff_id(&t),
+        Limits::UNLIMITED,
+    )
+    .unwrap();
+    assert_eq!(u.diff_id, diff_id(&t));
+    assert_eq!(fs::read(l.join("second")).unwrap(), [b'b'; 3000]);
+
+    let mut trailing = zstd::bulk::compress(&t[..], 1).unwrap();
+    trailing.extend_from_slice(b"not a frame");
+    let l = layer_dir(&root, "trailing");
+    let err = unpack_layer(
+        Cursor::new(trailing),
+        &l,
+        &[],
+        &diff_id(&t),
+        Limits::UNLIMITED,
+    )
+    .unwrap_err();
+    assert!(matches!(err, UnpackError::Read(_)), "{err}");
 }
 
 #[test]
