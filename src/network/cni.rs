@@ -379,6 +379,7 @@ impl Cni {
                 .env("CNI_ARGS", args);
         }
         let what = format!("CNI plugin {kind} ({command}, network {})", cfg.name);
+        let started = std::time::Instant::now();
         let mut child = cmd
             .spawn()
             .map_err(|e| Error::Internal(format!("{what}: run {}: {e}", bin.display())))?;
@@ -404,6 +405,7 @@ impl Cni {
                 )))
             }
         };
+        tracing::debug!(plugin = %kind, command, ms = started.elapsed().as_secs_f64() * 1e3, "CNI plugin ran");
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         if out.status.success() {
