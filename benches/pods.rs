@@ -3,8 +3,8 @@
 //!
 //! For each of `HAKO_BENCH_PODS` rounds (default 50), per runtime: RunPodSandbox,
 //! CreateContainer, StartContainer, ExecSync, StopContainer, StopPodSandbox (then an untimed
-//! RemovePodSandbox). Pods use the host network (containerd cannot run pod networks without a
-//! CNI result carrying an IP; hako has no CNI yet); IPC, UTS and the rest are the pod's own.
+//! RemovePodSandbox). Pods use the host network for this part, so it times the runtimes without
+//! CNI plugins; IPC, UTS and the rest are the pod's own.
 //! Then, on a bridge network (CNI bridge + host-local + portmap): the CNI chain alone (1 and
 //! 10 at a time, no runtime), 10 RunPodSandbox in flight and 10 CreateContainer+StartContainer
 //! in flight (`HAKO_BENCH_ROUNDS` rounds, default 5), and a burst of 50 pods with one
