@@ -318,3 +318,47 @@ async fn header_bomb_is_refused_without_holding_it_in_memory() {
     assert_eq!(image_count(&h).await, 0);
     assert_nothing_left(&h);
 }
+
+/// A zstd layer whose frame asks for a 2 GiB window, the format's largest: refused before the
+/// decoder sets it up, with an error naming the image, the layer and the cause, and nothing
+/// left under hako's root.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_zstd_frame_asking_for_a_2_gib_window_is_refused_and_leaves_nothing() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let tar = oci::marker_tar("etc/window", b"2 GiB\n");
+    let mut e = zstd::stream::write::Encoder::new(Vec::new(), 1).unwrap();
+    e.window_log(31).unwrap();
+    e.write_all(&tar).unwrap();
+    let blob = e.finish().unwrap();
+    let layer = Layer {
+        digest: oci::sha256(&blob),
+        diff_id: oci::sha256(&tar),
+        blob,
+        media_type: "application/vnd.oci.image.layer.v1.tar+zstd".into(),
+    };
+    let reg = Registry::start();
+    let base = Layer::new(
+        &oci::marker_tar("etc/hostname", b"window\n"),
+        Compression::Gzip,
+        false,
+    );
+    let img = Image::new(vec![base, layer.clone()], &ImageConf::default(), false);
+    Pusher::new(&reg.addr)
+        .push("hostile/window", "1", &img)
+        .await;
+    let h = Hako::start("");
+    let image = format!("{}/hostile/window:1", reg.addr);
+    let err = pull(&h, &image).await.expect_err("the frame is refused");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    for part in [image.as_str(), layer.digest.as_str(), "memory"] {
+        assert!(
+            err.message().contains(part),
+            "{part:?} in {}",
+            err.message()
+        );
+    }
+    assert_eq!(image_count(&h).await, 0);
+    assert_nothing_left(&h);
+}

@@ -143,7 +143,13 @@ pub fn unpack_layer(
     } else if magic.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
         // Every frame to the end of the blob, as the zstd tool decodes: a layer may be written
         // as several frames, and bytes after the last one are not a frame and fail the read.
-        Box::new(zstd::stream::read::Decoder::with_buffer(input).map_err(UnpackError::Read)?)
+        let mut d = zstd::stream::read::Decoder::with_buffer(input).map_err(UnpackError::Read)?;
+        // A frame names the history its decoder must keep, up to 2 GiB: bounded here, before
+        // anything is allocated, to what `zstd --long` writes (libzstd's own default, made
+        // explicit so that it stays a decision).
+        d.window_log_max(ZSTD_WINDOW_LOG_MAX)
+            .map_err(UnpackError::Read)?;
+        Box::new(d)
     } else {
         Box::new(input)
     };
@@ -210,6 +216,9 @@ pub fn unpack_layer(
         })
     })
 }
+
+/// The largest zstd window a layer may ask for: 2^27 bytes = 128 MiB per layer being unpacked.
+pub const ZSTD_WINDOW_LOG_MAX: u32 = 27;
 
 /// Decoded bytes the decompression and hashing threads may hold ahead of the writer:
 /// `CHUNKS_AHEAD` chunks of `CHUNK` bytes in their two channels, one being filled, one being

@@ -461,6 +461,28 @@ fn gzip_and_zstd_layers_unpack_with_the_uncompressed_digest() {
 }
 
 #[test]
+fn a_zstd_frame_asking_for_a_window_over_the_bound_fails_and_one_within_it_unpacks() {
+    let t = tarball(&[E::File("a", b"1", 0o644)]);
+    let frame = |window_log: u32| {
+        let mut e = zstd::stream::write::Encoder::new(Vec::new(), 1).unwrap();
+        e.window_log(window_log).unwrap();
+        e.write_all(&t).unwrap();
+        e.finish().unwrap()
+    };
+    let root = tempfile::tempdir().unwrap();
+    let l = layer_dir(&root, "within");
+    let ok = frame(ZSTD_WINDOW_LOG_MAX);
+    unpack_layer(Cursor::new(ok), &l, &[], &diff_id(&t), Limits::UNLIMITED).unwrap();
+    let l = layer_dir(&root, "over");
+    let over = frame(ZSTD_WINDOW_LOG_MAX + 1);
+    let err =
+        unpack_layer(Cursor::new(over), &l, &[], &diff_id(&t), Limits::UNLIMITED).unwrap_err();
+    assert!(matches!(err, UnpackError::Read(_)), "{err}");
+    let cause = std::error::Error::source(&err).unwrap().to_string();
+    assert!(cause.contains("memory"), "{cause}");
+}
+
+#[test]
 fn zstd_layers_of_several_frames_unpack_whole_and_trailing_bytes_fail() {
     // Parallel encoders may write a layer as several frames; `zstd -d` decodes them all.
     let t = tarball(&[
