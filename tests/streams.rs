@@ -198,6 +198,11 @@ async fn exec_streams_stdio_and_exit_follows_resizes_and_dies_with_its_client() 
         .await
         .unwrap();
     read_until(s.stdout.as_mut().unwrap(), "started").await;
+    // `sh` prints before it execs `sleep`: the sleep shows up a moment after the line.
+    support::wait_for("the exec'd sleep to run", DEADLINE, || {
+        !processes_named("100123").is_empty()
+    })
+    .await;
     assert_eq!(processes_named("100123").len(), 1, "the exec'd sleep runs");
     assert!(
         fds(monitor).len() > fds_before.len(),
