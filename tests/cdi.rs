@@ -783,6 +783,15 @@ async fn failing_cdi_hooks_are_named_in_create_and_start_errors() {
         )) && e.message().contains("exited with status 255"),
         "{e:?}"
     );
+    // Its status says the start failed and why, as containerd reports it.
+    let st = status(&mut rt, &id).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    assert_eq!(
+        (st.reason.as_str(), st.exit_code),
+        ("StartError", 128),
+        "{st:?}"
+    );
+    assert!(st.message.contains("startContainer hook failed"), "{st:?}");
     // A startContainer hook that succeeds: the start does too, and the process runs.
     let id = create(&mut rt, &pod, &cfg, cc("d", "start-ok"))
         .await
