@@ -367,6 +367,8 @@ struct Bg {
     child: std::process::Child,
     out: std::sync::Arc<std::sync::Mutex<String>>,
     err: std::sync::Arc<std::sync::Mutex<String>>,
+    /// The threads filling `out` and `err`: done once they read EOF.
+    readers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Bg {
@@ -378,22 +380,28 @@ impl Bg {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn");
-        let collect = |mut r: Box<dyn std::io::Read + Send>| {
+        let mut readers = Vec::new();
+        let mut collect = |mut r: Box<dyn std::io::Read + Send>| {
             let buf = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
             let b = buf.clone();
-            std::thread::spawn(move || {
+            readers.push(std::thread::spawn(move || {
                 let mut chunk = [0u8; 4096];
                 while let Ok(n @ 1..) = r.read(&mut chunk) {
                     b.lock()
                         .unwrap()
                         .push_str(&String::from_utf8_lossy(&chunk[..n]));
                 }
-            });
+            }));
             buf
         };
         let out = collect(Box::new(child.stdout.take().unwrap()));
         let err = collect(Box::new(child.stderr.take().unwrap()));
-        Bg { child, out, err }
+        Bg {
+            child,
+            out,
+            err,
+            readers,
+        }
     }
 
     fn write(&mut self, s: &str) {
@@ -438,6 +446,12 @@ impl Bg {
         support::wait_for(what, std::time::Duration::from_secs(60), || {
             status = self.child.try_wait().unwrap();
             status.is_some()
+        })
+        .await;
+        // What it wrote last (crictl's "command terminated with exit code") may still be in
+        // the pipes: the exit is known once the readers have it all.
+        support::wait_for(what, std::time::Duration::from_secs(60), || {
+            self.readers.iter().all(|r| r.is_finished())
         })
         .await;
         status.unwrap()

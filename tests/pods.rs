@@ -597,11 +597,19 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
     let lines = log_lines(&log);
     assert!(lines[0].starts_with("stdout F /dev/pts/"), "{lines:?}");
     assert_eq!(lines[1], "stdout F to-stderr", "{lines:?}");
-    assert_eq!(
-        exec(&mut rt, &tty_id, "cat /proc/1/cmdline | tr '\\0' ' '").await,
-        "sleep 61",
-        "a container PID namespace of its own"
-    );
+    // sh prints before it execs the sleep: wait for PID 1 to become it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let init = exec(&mut rt, &tty_id, "cat /proc/1/cmdline | tr '\\0' ' '").await;
+        if init == "sleep 61" {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline && init.starts_with("sh -c"),
+            "a container PID namespace of its own, its init the sleep: {init:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // TARGET: a container in the PID namespace of the tty container sees its sleep.
     let mut debug = container_config("debug", &["sleep", "60"]);
@@ -1763,9 +1771,18 @@ async fn a_long_grace_period_pins_neither_a_shorter_stop_nor_the_pods_stop() {
         &cfg,
         container_config(
             "stubborn",
-            &["sh", "-c", "trap '' TERM; while :; do sleep 1; done"],
+            &[
+                "sh",
+                "-c",
+                "trap '' TERM; echo ready; while :; do sleep 1; done",
+            ],
         ),
     )
+    .await;
+    // Stopped before its trap is set, SIGTERM would end it and test nothing here.
+    support::wait_for("the trap to be set", Duration::from_secs(30), || {
+        !log_lines(&logs.path().join("stubborn.log")).is_empty()
+    })
     .await;
     let mut slow_rt = h.runtime().await;
     let id = stubborn.clone();
@@ -1794,10 +1811,10 @@ async fn a_long_grace_period_pins_neither_a_shorter_stop_nor_the_pods_stop() {
     .await
     .expect("the short stop waited for the long one's grace period")
     .unwrap();
-    assert_eq!(
-        status(&mut rt, &stubborn).await.state,
-        cri::ContainerState::ContainerExited as i32
-    );
+    let st = status(&mut rt, &stubborn).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    // Killed at the end of the short grace period, not ended by the SIGTERM it ignores.
+    assert_eq!(st.exit_code, 137, "{st:?}");
     rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
         pod_sandbox_id: pod.clone(),
     })

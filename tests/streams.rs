@@ -234,6 +234,10 @@ async fn exec_streams_stdio_and_exit_follows_resizes_and_dies_with_its_client() 
         .await
         .unwrap();
     read_until(s.stdout.as_mut().unwrap(), "started").await;
+    support::wait_for("the exec'd sleep to run", DEADLINE, || {
+        !processes_named("100124").is_empty()
+    })
+    .await;
     let sleeper = processes_named("100124");
     assert_eq!(sleeper.len(), 1, "the exec'd sleep runs");
     let mut stdin = s.stdin.take().unwrap();

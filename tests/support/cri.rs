@@ -356,10 +356,18 @@ pub async fn monitor_pid(rt: &mut Rt, pod: &str) -> nix::unistd::Pid {
     nix::unistd::Pid::from_raw(v["monitorPid"].as_i64().unwrap() as i32)
 }
 
-/// SIGKILLs the pod's monitor (its pid from the verbose PodSandboxStatus).
+/// SIGKILLs the pod's monitor (its pid from the verbose PodSandboxStatus) and waits until it
+/// has died (a zombie or gone): kill(2) only queues the signal, and a daemon started or asked
+/// right after could still reach the monitor.
 pub async fn kill_monitor(rt: &mut Rt, pod: &str) {
     let monitor = monitor_pid(rt, pod).await;
     nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGKILL).unwrap();
+    super::wait_for("the killed monitor to die", Duration::from_secs(30), || {
+        std::fs::read_to_string(format!("/proc/{monitor}/stat")).map_or(true, |s| {
+            s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
+        })
+    })
+    .await;
 }
 
 /// Host processes whose command line is exactly `argv` (NUL-separated, as in /proc).
