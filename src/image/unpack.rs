@@ -358,6 +358,14 @@ fn write_layer(
 }
 
 fn peek(r: &mut impl io::BufRead, n: usize) -> io::Result<Vec<u8>> {
+    // A read interrupted by a signal is retried, as the decompression thread retries it.
+    loop {
+        match r.fill_buf() {
+            Ok(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     let buf = r.fill_buf()?;
     Ok(buf[..buf.len().min(n)].to_vec())
 }

@@ -460,6 +460,47 @@ fn gzip_and_zstd_layers_unpack_with_the_uncompressed_digest() {
     }
 }
 
+/// Gives at most 700 bytes per read, and is interrupted by a signal (EINTR) before each one.
+struct Interrupting {
+    inner: Cursor<Vec<u8>>,
+    interrupt: bool,
+}
+
+impl Read for Interrupting {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.interrupt = !self.interrupt;
+        if self.interrupt {
+            return Err(io::ErrorKind::Interrupted.into());
+        }
+        let n = buf.len().min(700);
+        self.inner.read(&mut buf[..n])
+    }
+}
+
+#[test]
+fn reads_interrupted_by_a_signal_are_retried_in_every_format() {
+    let t = tarball(&[
+        E::File("hello", &[b'w'; 5000], 0o644),
+        E::File("again", b"world", 0o644),
+    ]);
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&t).unwrap();
+    let gz = gz.finish().unwrap();
+    let zst = zstd::bulk::compress(&t[..], 1).unwrap();
+    for (name, data) in [("tar", t.clone()), ("gz", gz), ("zst", zst)] {
+        let root = tempfile::tempdir().unwrap();
+        let l = layer_dir(&root, name);
+        let input = Interrupting {
+            inner: Cursor::new(data),
+            interrupt: false,
+        };
+        let u = unpack_layer(input, &l, &[], &diff_id(&t), Limits::UNLIMITED)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(u.diff_id, diff_id(&t));
+        assert_eq!(fs::read(l.join("again")).unwrap(), b"world", "{name}");
+    }
+}
+
 #[test]
 fn a_zstd_frame_asking_for_a_window_over_the_bound_fails_and_one_within_it_unpacks() {
     let t = tarball(&[E::File("a", b"1", 0o644)]);
