@@ -1094,23 +1094,35 @@ fn counted_lines(text: &str) -> Vec<u64> {
 
 /// The lines of a container's log dir in the order they were written: the rotated files
 /// (`0.log.<time>`, gzipped as `.gz` by kubelet; a file and its `.gz` both there while
-/// kubelet compresses, then the plain one counts) by time, then the live `0.log`.
-fn rotated_log_numbers(dir: &Path) -> (Vec<u64>, usize) {
+/// kubelet compresses, then the plain one counts) by time, then the live `0.log`. `None` when
+/// kubelet rotated, compressed or removed a file while they were read (a file listed gone, or
+/// the listing changed meanwhile): the caller reads again.
+fn rotated_log_numbers(dir: &Path) -> Option<(Vec<u64>, usize)> {
+    let listing = || -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n != "0.log")
+            .collect();
+        names.sort();
+        names
+    };
+    let before = listing();
     let mut rotated: std::collections::BTreeMap<String, PathBuf> = Default::default();
-    for e in std::fs::read_dir(dir).unwrap().flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name == "0.log" || !name.starts_with("0.log.") || name.ends_with(".tmp") {
+    for name in &before {
+        if !name.starts_with("0.log.") || name.ends_with(".tmp") {
             continue;
         }
         let stem = name.trim_end_matches(".gz").to_string();
         if name.ends_with(".gz") && rotated.contains_key(&stem) {
             continue;
         }
-        rotated.insert(stem, e.path());
+        rotated.insert(stem, dir.join(name));
     }
     let mut numbers = Vec::new();
     for path in rotated.values() {
-        let bytes = std::fs::read(path).unwrap();
+        let bytes = std::fs::read(path).ok()?;
         let text = if path.extension().is_some_and(|x| x == "gz") {
             let mut out = String::new();
             use std::io::Read;
@@ -1125,7 +1137,7 @@ fn rotated_log_numbers(dir: &Path) -> (Vec<u64>, usize) {
     }
     let live = std::fs::read_to_string(dir.join("0.log")).unwrap_or_default();
     numbers.extend(counted_lines(&live));
-    (numbers, rotated.len())
+    (listing() == before).then_some((numbers, rotated.len()))
 }
 
 /// kubelet rotates a container's log past `containerLogMaxSize`: it renames the file and asks
@@ -1158,8 +1170,13 @@ async fn kubelet_rotates_container_logs_without_losing_a_line() {
         .join("counter");
     let mut seen = (Vec::new(), 0);
     support::wait_for("kubelet to rotate the counter's log 3 times", GC, || {
-        seen = rotated_log_numbers(&dir);
-        seen.1 >= 3
+        match rotated_log_numbers(&dir) {
+            Some(s) => {
+                seen = s;
+                seen.1 >= 3
+            }
+            None => false,
+        }
     })
     .await;
     let (numbers, rotated) = seen;

@@ -1472,14 +1472,7 @@ async fn a_killed_monitor_turns_its_pod_not_ready_in_the_list() {
         cri::PodSandboxState::SandboxReady as i32
     );
     kill_monitor(&mut rt, &pod).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while pod_state(&mut rt, &pod).await != cri::PodSandboxState::SandboxNotready as i32 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pod of a killed monitor was never reported NotReady"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_not_ready(&mut rt, &pod).await;
     let listed = rt
         .list_containers(cri::ListContainersRequest::default())
         .await

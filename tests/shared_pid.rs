@@ -601,16 +601,7 @@ async fn a_pods_init_dies_with_its_monitor() {
     rt.list_containers(cri::ListContainersRequest::default())
         .await
         .unwrap();
-    // The daemon learns of the monitor's death from its own watch of it, which the init's
-    // death does not wait for.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while pod_state(&mut rt, &pod).await != cri::PodSandboxState::SandboxNotready as i32 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the pod of a killed monitor was never reported NotReady"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_not_ready(&mut rt, &pod).await;
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

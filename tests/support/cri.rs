@@ -407,3 +407,16 @@ pub async fn pod_state(rt: &mut Rt, pod: &str) -> i32 {
         .expect("the pod is listed")
         .state
 }
+
+/// Waits (60 s at most) until the pod of a killed monitor is listed NotReady: the daemon learns
+/// of the death from its own watch of the monitor, which nothing the test sees waits for.
+pub async fn wait_not_ready(rt: &mut Rt, pod: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while pod_state(rt, pod).await != cri::PodSandboxState::SandboxNotready as i32 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pod of a killed monitor was never reported NotReady"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
