@@ -44,7 +44,6 @@ fn assert_nothing_left(h: &Hako) {
     }
 }
 
-/// Peak resident memory of a process, from `VmHWM` in /proc/<pid>/status.
 /// A pull refused as a user must see it: INVALID_ARGUMENT with a message naming each of
 /// `parts`, no image listed, nothing left under hako's root.
 async fn assert_refused(h: &Hako, result: Result<String, tonic::Status>, parts: &[&str]) {
@@ -61,6 +60,7 @@ async fn assert_refused(h: &Hako, result: Result<String, tonic::Status>, parts: 
     assert_nothing_left(h);
 }
 
+/// Peak resident memory of a process, from `VmHWM` in /proc/<pid>/status.
 fn peak_rss_kib(pid: i32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = status

@@ -920,19 +920,10 @@ async fn a_container_that_cannot_start_reports_start_error() {
     // kill(2) only queues the signal: until the process has run its exit (a zombie, or reaped
     // and gone) a start can still reach it, and then it starts and is killed, which is another
     // story. A fresh-clone CI saw exactly that.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while std::fs::read_to_string(format!("/proc/{init}/stat")).is_ok_and(|s| {
-        s.rsplit(')')
-            .next()
-            .and_then(|r| r.split_whitespace().next())
-            != Some("Z")
-    }) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the killed init {init} still runs"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    support::wait_for("the killed init to die", Duration::from_secs(30), || {
+        support::process_dead(init)
+    })
+    .await;
     let e = rt
         .start_container(cri::StartContainerRequest {
             container_id: id.clone(),

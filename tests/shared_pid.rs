@@ -591,11 +591,7 @@ async fn a_pods_init_dies_with_its_monitor() {
     support::wait_for(
         "the pod's init to die with its monitor",
         Duration::from_secs(30),
-        || {
-            std::fs::read_to_string(format!("/proc/{init}/stat")).map_or(true, |s| {
-                s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
-            })
-        },
+        || support::process_dead(init),
     )
     .await;
     rt.list_containers(cri::ListContainersRequest::default())

@@ -221,15 +221,6 @@ fn established(port: u16) -> usize {
     n
 }
 
-fn running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            let state = s.rsplit(')').next().unwrap_or("").split_whitespace().next();
-            state != Some("Z")
-        })
-        .unwrap_or(false)
-}
-
 /// Nothing left: no backend process, no session task, no connection to the server.
 async fn nothing_left(host: &Host, server: &Streaming) {
     support::wait_for("backend sessions to end", WAIT, || {
@@ -244,7 +235,7 @@ async fn nothing_left(host: &Host, server: &Streaming) {
     .await;
     let pids = host.pids.lock().unwrap().clone();
     support::wait_for("backend processes to be gone", WAIT, || {
-        pids.iter().all(|p| !running(*p))
+        pids.iter().all(|p| support::process_dead(*p as i32))
     })
     .await;
 }

@@ -363,9 +363,7 @@ pub async fn kill_monitor(rt: &mut Rt, pod: &str) {
     let monitor = monitor_pid(rt, pod).await;
     nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGKILL).unwrap();
     super::wait_for("the killed monitor to die", Duration::from_secs(30), || {
-        std::fs::read_to_string(format!("/proc/{monitor}/stat")).map_or(true, |s| {
-            s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
-        })
+        super::process_dead(monitor.as_raw())
     })
     .await;
 }

@@ -83,6 +83,14 @@ pub async fn wait_for(what: &str, timeout: std::time::Duration, mut cond: impl F
     }
 }
 
+/// Whether process `pid` has died: a zombie waiting to be reaped, or gone. kill(2) only queues
+/// a signal, so a test that killed a process waits for this before it acts on the death.
+pub fn process_dead(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+        s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z'))
+    })
+}
+
 /// Returns false (after printing why) when the e2e prerequisites are missing; tests then skip.
 pub fn e2e_ready(needs: &[&str]) -> bool {
     let mut missing = Vec::new();
