@@ -502,6 +502,33 @@ fn reads_interrupted_by_a_signal_are_retried_in_every_format() {
 }
 
 #[test]
+fn a_read_error_at_the_first_byte_fails_the_unpack_and_is_not_retried() {
+    let t = tarball(&[E::File("a", b"1", 0o644)]);
+    // Fails its first read only: a retry would succeed and hide the broken download.
+    struct FailsOnce {
+        failed: bool,
+        inner: Cursor<Vec<u8>>,
+    }
+    impl Read for FailsOnce {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            if !self.failed {
+                self.failed = true;
+                return Err(io::ErrorKind::ConnectionReset.into());
+            }
+            self.inner.read(buf)
+        }
+    }
+    let root = tempfile::tempdir().unwrap();
+    let l = layer_dir(&root, "l0");
+    let input = FailsOnce {
+        failed: false,
+        inner: Cursor::new(t.clone()),
+    };
+    let err = unpack_layer(input, &l, &[], &diff_id(&t), Limits::UNLIMITED).unwrap_err();
+    assert!(matches!(err, UnpackError::Read(_)), "{err}");
+}
+
+#[test]
 fn a_zstd_frame_asking_for_a_window_over_the_bound_fails_and_one_within_it_unpacks() {
     let t = tarball(&[E::File("a", b"1", 0o644)]);
     let frame = |window_log: u32| {
