@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use common::{client, Clients, Runtime};
 use hako::streaming::spdy::{self, Codec, Frame};
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::oci::Pusher;
 use support::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

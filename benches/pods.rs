@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use common::{client, start_containerd, start_hako, Runtime};
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::oci::Pusher;
 use support::registry::Registry;
 

@@ -28,7 +28,7 @@ use common::{
     client, start_containerd, start_containerd2, start_hako, start_hako_bin, start_hako_with,
     Runtime,
 };
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher, Tar};
 use support::registry::Registry;
 

@@ -4,7 +4,7 @@
 set -euo pipefail
 export DEBIAN_FRONTEND=noninteractive
 pkgs=(
-  protobuf-compiler pkg-config libseccomp-dev   # build: k8s-cri's protos, libcontainer's seccomp
+  protobuf-compiler pkg-config libseccomp-dev   # build: the CRI api.proto, libcontainer's seccomp
   # busybox, not busybox-static: the static build runs applets inside sh instead of exec'ing
   # /bin/ls and friends, which critest's MaskedPaths spec relies on.
   docker-registry busybox procps util-linux      # tests: local registry, image stand-ins (pgrep, ipcs)

@@ -9,7 +9,7 @@ mod support;
 use std::future::Future;
 use std::time::Duration;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cri::*;
 
 /// Where the sweep cancels: densely while the call does its work (a RunPodSandbox or

@@ -4,7 +4,7 @@
 
 mod support;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cri::*;
 use support::hako::Hako;
 use support::registry::Registry;

@@ -17,8 +17,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_cri::v1 as cri;
-use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use hako_proto::cri;
+use hako_proto::cri::runtime_service_client::RuntimeServiceClient;
 use support::cni::{self, TestNet};
 use support::cri::*;
 use tonic::transport::{Endpoint, Uri};

@@ -6,7 +6,7 @@
 
 mod support;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cri::*;
 use support::hako::Hako;
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::hako::{pull, Hako};
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher, Tar};
 use support::registry::Registry;

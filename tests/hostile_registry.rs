@@ -11,7 +11,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::hako::{pull, Hako};
 use support::oci::{self, Compression, Layer, Pusher};
 use support::proxy::{Behaviour, Canned, Proxy};

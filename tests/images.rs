@@ -7,7 +7,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::hako::{pull, Hako};
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
 use support::proxy::{Behaviour, Proxy};
@@ -109,7 +109,7 @@ async fn spawn_pull(
 ) -> tokio::task::JoinHandle<Result<tonic::Response<cri::PullImageResponse>, tonic::Status>> {
     let ch = h.channel().await;
     tokio::spawn(async move {
-        let mut c = k8s_cri::v1::image_service_client::ImageServiceClient::new(ch);
+        let mut c = hako_proto::cri::image_service_client::ImageServiceClient::new(ch);
         c.pull_image(cri::PullImageRequest {
             image: spec(&name),
             ..Default::default()

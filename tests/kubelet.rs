@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use serde_json::Value;
 use support::cni::{self, TestNet};
 use support::cri::*;

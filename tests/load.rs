@@ -11,9 +11,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_cri::v1 as cri;
-use k8s_cri::v1::image_service_client::ImageServiceClient;
-use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use hako_proto::cri;
+use hako_proto::cri::image_service_client::ImageServiceClient;
+use hako_proto::cri::runtime_service_client::RuntimeServiceClient;
 use support::cri::*;
 
 const CLIENTS: usize = 100;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cri::*;
 
 const NOBODY: &str = "65534";

@@ -5,7 +5,7 @@ mod support;
 
 use std::time::Duration;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cni::{self, TestNet};
 use support::cri::*;
 use support::hako::Hako;

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cni::TestNet;
 use support::cri::*;
 use support::hako::Hako;

@@ -5,7 +5,7 @@ mod support;
 
 use std::time::Duration;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cri::*;
 use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
 
@@ -776,7 +776,7 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn stop_uses_the_images_stop_signal() {
+async fn stop_uses_the_pod_specs_or_the_images_stop_signal() {
     let Some((reg, h)) = ready().await else {
         return;
     };
@@ -825,7 +825,62 @@ async fn stop_uses_the_images_stop_signal() {
     })
     .await
     .unwrap();
-    assert_eq!(status(&mut rt, &id).await.exit_code, 42);
+    let st = status(&mut rt, &id).await;
+    assert_eq!(st.exit_code, 42);
+    assert_eq!(st.stop_signal, cri::Signal::Sigusr1 as i32, "{st:?}");
+
+    // The pod spec's stop signal (CRI stop_signal, Kubernetes' lifecycle.stopSignal) wins
+    // over the image's: SIGINT exits 43, the image's SIGUSR1 would exit 42.
+    let mut cc = container_config(
+        "int",
+        &[
+            "sh",
+            "-c",
+            "trap 'exit 43' INT; trap 'exit 42' USR1; trap '' TERM; echo ready; while true; do sleep 0.1; done",
+        ],
+    );
+    cc.image = Some(cri::ImageSpec {
+        image: image.into(),
+        ..Default::default()
+    });
+    cc.stop_signal = cri::Signal::Sigint as i32;
+    let int = run_container(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(
+        status(&mut rt, &int).await.stop_signal,
+        cri::Signal::Sigint as i32
+    );
+    support::wait_for("the INT trap to be set", Duration::from_secs(30), || {
+        !log_lines(&logs.path().join("int.log")).is_empty()
+    })
+    .await;
+    rt.stop_container(cri::StopContainerRequest {
+        container_id: int.clone(),
+        timeout: 10,
+    })
+    .await
+    .unwrap();
+    assert_eq!(status(&mut rt, &int).await.exit_code, 43);
+    // A container that names no signal, of an image without STOPSIGNAL: SIGTERM.
+    let plain = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("plain", &["sleep", "60"]),
+    )
+    .await;
+    assert_eq!(
+        status(&mut rt, &plain).await.stop_signal,
+        cri::Signal::Sigterm as i32
+    );
+    // A stop signal outside the CRI's enum is refused at create, naming it.
+    let mut cc = container_config("nosig", &["sleep", "60"]);
+    cc.stop_signal = 4242;
+    let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains("4242") && e.message().contains("nosig"),
+        "{e:?}"
+    );
 
     // A STOPSIGNAL no kernel has is refused at create, naming image and signal, and the
     // refused create leaves no container behind.
@@ -875,7 +930,7 @@ async fn stop_uses_the_images_stop_signal() {
         .unwrap()
         .into_inner()
         .containers;
-    assert_eq!(listed.len(), 1, "only the trap container: {listed:?}");
+    assert_eq!(listed.len(), 3, "only trap, int and plain: {listed:?}");
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
@@ -1294,7 +1349,7 @@ async fn concurrent_creates_of_one_name_wait_for_the_first_and_return_its_object
         let ch = h.channel().await;
         let cfg = cfg.clone();
         pods.push(tokio::spawn(async move {
-            let mut rt = k8s_cri::v1::runtime_service_client::RuntimeServiceClient::new(ch);
+            let mut rt = hako_proto::cri::runtime_service_client::RuntimeServiceClient::new(ch);
             run_pod(&mut rt, &cfg).await
         }));
     }
@@ -1311,7 +1366,7 @@ async fn concurrent_creates_of_one_name_wait_for_the_first_and_return_its_object
         let ch = h.channel().await;
         let (pod, cfg, cc) = (pod.clone(), cfg.clone(), cc.clone());
         creates.push(tokio::spawn(async move {
-            let mut rt = k8s_cri::v1::runtime_service_client::RuntimeServiceClient::new(ch);
+            let mut rt = hako_proto::cri::runtime_service_client::RuntimeServiceClient::new(ch);
             rt.create_container(cri::CreateContainerRequest {
                 pod_sandbox_id: pod,
                 config: Some(cc),

@@ -10,7 +10,7 @@ mod support;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use nix::errno::Errno;
 use support::cri::*;
 

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use hako::config::Config;
 use hako::daemon::Daemon;
-use k8s_cri::v1 as cri;
-use k8s_cri::v1::image_service_client::ImageServiceClient;
-use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use hako_proto::cri;
+use hako_proto::cri::image_service_client::ImageServiceClient;
+use hako_proto::cri::runtime_service_client::RuntimeServiceClient;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 /// A daemon serving on a temp socket in this process.

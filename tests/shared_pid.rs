@@ -14,7 +14,7 @@ mod support;
 use std::path::Path;
 use std::time::Duration;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cri::*;
 
 fn shared_pid_pod(name: &str, logs: &Path) -> cri::PodSandboxConfig {

@@ -1163,7 +1163,7 @@ fn proc_status(pid: i32, field: &str) -> u64 {
 /// is read and dropped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_pushing_into_unpaired_streams_does_not_grow_the_daemon() {
-    use k8s_cri::v1 as cri;
+    use hako_proto::cri;
     if !support::e2e_ready(&[]) {
         return;
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use hako::daemon::Daemon;
 use hako::pods::ContainerState;
 use hako::streaming::{AttachRequest, Backend, BoxRead, ExecRequest, Session, TermSize};
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 use support::cni::{self, TestNet};
 use support::cri::*;
 use support::hako::Hako;

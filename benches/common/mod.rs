@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use k8s_cri::v1::image_service_client::ImageServiceClient;
-use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use hako_proto::cri::image_service_client::ImageServiceClient;
+use hako_proto::cri::runtime_service_client::RuntimeServiceClient;
 use tonic::transport::Channel;
 
 pub struct Runtime {
@@ -283,10 +283,10 @@ pub const SLEEPER_IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2"
 
 /// What kubelet sends for a pod without shareProcessNamespace, on the host network: a PID
 /// namespace per container (the proto default, POD, would share one).
-fn host_network_namespaces() -> Option<k8s_cri::v1::NamespaceOption> {
-    Some(k8s_cri::v1::NamespaceOption {
-        network: k8s_cri::v1::NamespaceMode::Node as i32,
-        pid: k8s_cri::v1::NamespaceMode::Container as i32,
+fn host_network_namespaces() -> Option<hako_proto::cri::NamespaceOption> {
+    Some(hako_proto::cri::NamespaceOption {
+        network: hako_proto::cri::NamespaceMode::Node as i32,
+        pid: hako_proto::cri::NamespaceMode::Container as i32,
         ..Default::default()
     })
 }
@@ -294,8 +294,8 @@ fn host_network_namespaces() -> Option<k8s_cri::v1::NamespaceOption> {
 /// A host-network pod `name` in namespace `bench`, its logs under /var/tmp/hako-bench-logs.
 /// Host network for every runtime: containerd needs a CNI result with an IP for pod networks,
 /// and this keeps them all doing the same work (a bench that wants CNI adds it).
-pub fn host_pod_config(name: &str) -> k8s_cri::v1::PodSandboxConfig {
-    use k8s_cri::v1 as cri;
+pub fn host_pod_config(name: &str) -> hako_proto::cri::PodSandboxConfig {
+    use hako_proto::cri;
     cri::PodSandboxConfig {
         metadata: Some(cri::PodSandboxMetadata {
             name: name.into(),
@@ -318,8 +318,8 @@ pub fn host_pod_config(name: &str) -> k8s_cri::v1::PodSandboxConfig {
 
 /// A container `sleeper` of [`SLEEPER_IMAGE`] that sleeps an hour. PID 1 of its own PID
 /// namespace ignores SIGTERM unless it handles it: this one does, so a stop is graceful.
-pub fn sleeper_config() -> k8s_cri::v1::ContainerConfig {
-    use k8s_cri::v1 as cri;
+pub fn sleeper_config() -> hako_proto::cri::ContainerConfig {
+    use hako_proto::cri;
     cri::ContainerConfig {
         metadata: Some(cri::ContainerMetadata {
             name: "sleeper".into(),

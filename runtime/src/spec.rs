@@ -120,6 +120,9 @@ pub struct Mount {
     /// Read-only all the way down: submounts of the source too (`rro`, kernel 5.12+).
     #[serde(default)]
     pub recursive_readonly: bool,
+    /// More mount options (`noexec`, `nodev`, `nosuid`...), checked by the caller.
+    #[serde(default)]
+    pub options: Vec<String>,
 }
 
 /// A device node the container gets, and the cgroup rule that lets it use it.
@@ -405,6 +408,7 @@ fn user_mounts(s: &ContainerSpec) -> Vec<oci::Mount> {
             if mt.recursive_readonly {
                 opts.push("rro");
             }
+            opts.extend(mt.options.iter().map(String::as_str));
             mount(&mt.destination, "bind", &mt.source, &opts)
         })
         .collect()
@@ -934,6 +938,7 @@ mod tests {
                     readonly: true,
                     propagation: "rslave".into(),
                     recursive_readonly: false,
+                    options: Vec::new(),
                 });
                 s.resources = Resources {
                     memory_limit: Some(64 << 20),
@@ -1039,6 +1044,7 @@ mod tests {
             readonly: false,
             propagation: String::new(),
             recursive_readonly: false,
+            options: Vec::new(),
         };
         let source = |m: &oci::Mount| m.source().clone().unwrap();
         check(
@@ -1105,6 +1111,7 @@ mod tests {
                     readonly: true,
                     propagation: "rprivate".into(),
                     recursive_readonly: true,
+                    options: Vec::new(),
                 });
             },
             |s| {

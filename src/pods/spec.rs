@@ -112,7 +112,18 @@ pub fn container_spec(
 ) -> Result<Planned> {
     let ic = section(image);
     let strings = |v: &Option<Vec<String>>| v.clone().unwrap_or_default();
-    let stop_signal = stop_signal(&req.image, image)?;
+    let stop_signal = match &req.stop_signal {
+        Some(sig) => {
+            parse_signal(sig).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "container {}: unknown stop signal {sig:?}",
+                    req.name
+                ))
+            })?;
+            Some(sig.clone())
+        }
+        None => stop_signal(&req.image, image)?,
+    };
     let (entrypoint, cmd) = (strings(ic.entrypoint()), strings(ic.cmd()));
     // Kubernetes: command replaces the entrypoint (and drops the image's cmd); args replace cmd.
     let args: Vec<String> = if !req.command.is_empty() {
@@ -166,6 +177,18 @@ pub fn container_spec(
                 req.name, m.container_path
             )));
         }
+        if let Some(bad) = m
+            .options
+            .iter()
+            .find(|o| !crate::pods::types::MOUNT_OPTIONS.contains(&o.as_str()))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: mount {}: option {bad:?} is not one of {:?}",
+                req.name,
+                m.container_path,
+                crate::pods::types::MOUNT_OPTIONS
+            )));
+        }
         mounts.push(oci::Mount {
             destination: m.container_path.clone(),
             source: m.host_path.clone(),
@@ -177,6 +200,7 @@ pub fn container_spec(
             }
             .into(),
             recursive_readonly: m.recursive_readonly,
+            options: m.options.clone(),
         });
     }
     for (dest, source) in &inputs.pod_files {
@@ -187,6 +211,7 @@ pub fn container_spec(
                 readonly: sec.readonly_rootfs,
                 propagation: "rprivate".into(),
                 recursive_readonly: false,
+                options: Vec::new(),
             });
         }
     }
@@ -419,6 +444,14 @@ pub fn parse_signal(s: &str) -> Option<i32> {
         let n = libc::SIGRTMAX().checked_sub(off)?;
         return rt_range.contains(&n).then_some(n);
     }
+    // Linux's other names for three signals, which nix does not parse (the CRI's Signal enum
+    // and Docker's signal table have them).
+    let name = match name.as_str() {
+        "SIGCLD" => "SIGCHLD",
+        "SIGPOLL" => "SIGIO",
+        "SIGIOT" => "SIGABRT",
+        other => other,
+    };
     name.parse::<nix::sys::signal::Signal>()
         .ok()
         .map(|s| s as i32)
@@ -791,6 +824,7 @@ mod tests {
             readonly,
             propagation,
             recursive_readonly: rro,
+            options: Vec::new(),
         };
         let pod_files = vec![
             (
@@ -939,6 +973,59 @@ mod tests {
                     assert!(m.contains("example.com/app:1") && m.contains(bad), "{m}");
                 },
             );
+        }
+    }
+
+    #[test]
+    fn the_pod_specs_stop_signal_wins_over_the_images() {
+        check(
+            |c| {
+                c.image["config"]["StopSignal"] = json!("SIGQUIT");
+                c.req.stop_signal = Some("SIGUSR1".into());
+            },
+            |p| assert_eq!(p.stop_signal.as_deref(), Some("SIGUSR1")),
+        );
+        check(
+            |c| c.req.stop_signal = Some("SIGRTMIN+3".into()),
+            |p| assert_eq!(p.stop_signal.as_deref(), Some("SIGRTMIN+3")),
+        );
+        refused(
+            |c| c.req.stop_signal = Some("SIGNOPE".into()),
+            |e| {
+                assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+                assert!(e.to_string().contains("SIGNOPE"), "{e}");
+            },
+        );
+    }
+
+    #[test]
+    fn mount_options_only_take_away() {
+        let with = |options: &[&str]| {
+            let options = strs(options);
+            move |c: &mut Case| {
+                c.req.mounts = vec![MountReq {
+                    container_path: "/data".into(),
+                    host_path: "/srv/data".into(),
+                    options,
+                    ..Default::default()
+                }]
+            }
+        };
+        check(with(&["noexec", "nodev", "nosuid"]), |p| {
+            let m = p
+                .spec
+                .mounts
+                .iter()
+                .find(|m| m.destination == "/data")
+                .unwrap();
+            assert_eq!(m.options, strs(&["noexec", "nodev", "nosuid"]));
+        });
+        for bad in ["suid", "dev", "exec", "rw", "remount", "bind", "x-foo"] {
+            refused(with(&["nosuid", bad]), |e| {
+                assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+                let m = e.to_string();
+                assert!(m.contains("/data") && m.contains(bad), "{m}");
+            });
         }
     }
 

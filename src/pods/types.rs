@@ -102,7 +102,15 @@ pub struct MountReq {
     pub propagation: Propagation,
     #[serde(default)]
     pub recursive_readonly: bool,
+    /// Restrictions kubelet adds to the bind mount (CRI `mount_options`): any of `MOUNT_OPTIONS`.
+    #[serde(default)]
+    pub options: Vec<String>,
 }
+
+/// The bind-mount options a CRI mount may ask for. Each only takes something away from what
+/// the volume allows; an option that would give something (`suid`, `dev`, `exec`, `rw`) or
+/// change the mount's kind is refused.
+pub const MOUNT_OPTIONS: &[&str] = &["noexec", "nodev", "nosuid", "noatime", "nodiratime", "ro"];
 
 /// A host device the container asks for (CRI `Device`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -176,6 +184,10 @@ pub struct ContainerSpecReq {
     pub resources: Resources,
     pub oom_score_adj: Option<i64>,
     pub security: Security,
+    /// The signal a stop sends first, by name, when the pod spec names one (CRI `stop_signal`,
+    /// Kubernetes' `lifecycle.stopSignal`); it wins over the image's STOPSIGNAL.
+    #[serde(default)]
+    pub stop_signal: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,14 +2,51 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 
+use crate::error::Error;
+use crate::pods::spec::parse_signal;
 use crate::pods::{
     ContainerSpecReq, ContainerState, ContainerView, DeviceReq, Dns, MountReq, NsMode, PodRecord,
     PodSpec, PodState, PodView, PortMapping, Propagation, SeccompReq, Security,
 };
 use hako_runtime::apparmor::Request as AppArmorReq;
 use hako_runtime::spec::Resources;
+
+/// A CRI `Signal` as the name hako keeps and `parse_signal` reads (`SIGRTMIN+3`); `None` for
+/// the runtime default (the image's STOPSIGNAL, else SIGTERM).
+pub fn signal_name(v: i32) -> Result<Option<String>, Error> {
+    let sig = cri::Signal::try_from(v)
+        .map_err(|_| Error::InvalidArgument(format!("stop signal {v} is not a CRI Signal")))?;
+    if sig == cri::Signal::RuntimeDefault {
+        return Ok(None);
+    }
+    let name = sig.as_str_name().trim_start_matches("SIGNAL_");
+    Ok(Some(name.replace("PLUS", "+").replace("MINUS", "-")))
+}
+
+/// The signal a stop of this container sends first, as a CRI `Signal`: `name` as hako keeps
+/// it (a name or number, from the pod spec or the image), SIGTERM when there is none.
+pub fn signal_cri(name: Option<&str>) -> i32 {
+    let n = name.and_then(parse_signal).unwrap_or(libc::SIGTERM);
+    let (lo, hi) = (libc::SIGRTMIN(), libc::SIGRTMAX());
+    let name = if (lo..=hi).contains(&n) {
+        // The CRI names real-time signals from both ends, as Go's unix package does.
+        match (n - lo, hi - n) {
+            (0, _) => "SIGRTMIN".to_string(),
+            (_, 0) => "SIGRTMAX".to_string(),
+            (up, down) if up <= down => format!("SIGRTMINPLUS{up}"),
+            (_, down) => format!("SIGRTMAXMINUS{down}"),
+        }
+    } else {
+        match nix::sys::signal::Signal::try_from(n) {
+            Ok(s) => s.as_str().to_string(),
+            Err(_) => return cri::Signal::RuntimeDefault as i32,
+        }
+    };
+    cri::Signal::from_str_name(&format!("SIGNAL_{name}"))
+        .map_or(cri::Signal::RuntimeDefault as i32, |s| s as i32)
+}
 
 fn btree(m: HashMap<String, String>) -> BTreeMap<String, String> {
     m.into_iter().collect()
@@ -198,15 +235,40 @@ fn resources_cri(r: &Resources) -> cri::LinuxContainerResources {
     }
 }
 
-pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
+pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error> {
     let md = c.metadata.unwrap_or_default();
+    // Environment values are bytes in the CRI; an OCI process environment is text.
+    let envs = c
+        .envs
+        .into_iter()
+        .map(|kv| match String::from_utf8(kv.value) {
+            Ok(v) => Ok((kv.key, v)),
+            Err(_) => Err(Error::InvalidArgument(format!(
+                "container {}: environment variable {:?} is not valid UTF-8",
+                md.name, kv.key
+            ))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if let Some(m) = c.mounts.iter().find(|m| m.image.is_some()) {
+        return Err(Error::Unimplemented(format!(
+            "image volumes (container {}: mount {} of image {:?})",
+            md.name,
+            m.container_path,
+            m.image
+                .as_ref()
+                .map(|i| i.image.as_str())
+                .unwrap_or_default()
+        )));
+    }
+    let stop_signal = signal_name(c.stop_signal)
+        .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", md.name)))?;
     let linux = c.linux.unwrap_or_default();
     let r = linux.resources.unwrap_or_default();
     let s = linux.security_context.unwrap_or_default();
     let caps = s.capabilities.clone().unwrap_or_default();
     let ns = s.namespace_options.clone().unwrap_or_default();
     let oom_score_adj = (r.oom_score_adj != 0).then_some(r.oom_score_adj);
-    ContainerSpecReq {
+    Ok(ContainerSpecReq {
         name: md.name,
         attempt: md.attempt,
         image: c
@@ -218,7 +280,7 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
         command: c.command,
         args: c.args,
         working_dir: c.working_dir,
-        envs: c.envs.into_iter().map(|kv| (kv.key, kv.value)).collect(),
+        envs,
         mounts: c
             .mounts
             .into_iter()
@@ -236,6 +298,7 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
                     cri::MountPropagation::PropagationBidirectional => Propagation::Bidirectional,
                 },
                 recursive_readonly: m.recursive_read_only,
+                options: m.mount_options,
             })
             .collect(),
         devices: c
@@ -278,7 +341,8 @@ pub fn container_req(c: cri::ContainerConfig) -> ContainerSpecReq {
             #[allow(deprecated)]
             apparmor: apparmor(s.apparmor.as_ref(), &s.apparmor_profile),
         },
-    }
+        stop_signal,
+    })
 }
 
 /// The seccomp request: the typed field, else the deprecated path form (`runtime/default`,
@@ -370,6 +434,7 @@ pub fn container_status(v: &ContainerView) -> cri::ContainerStatus {
         exit_code,
         image: Some(status_image(&r.spec)),
         image_ref: r.image_ref.clone(),
+        stop_signal: signal_cri(r.stop_signal.as_deref()),
         reason,
         message: r.start_error.clone().unwrap_or_default(),
         labels: hash(&r.spec.labels),
@@ -471,6 +536,8 @@ fn cpu_memory(u: &crate::pods::Usage) -> (Option<cri::CpuUsage>, Option<cri::Mem
             timestamp: u.timestamp,
             usage_core_nano_seconds: u64v(s.cpu_usage_ns),
             usage_nano_cores: u.nano_cores.and_then(u64v),
+            // No pressure figures: cgroup v1 has none, and none are read on v2 yet.
+            psi: None,
         }),
         Some(cri::MemoryUsage {
             timestamp: u.timestamp,
@@ -483,6 +550,7 @@ fn cpu_memory(u: &crate::pods::Usage) -> (Option<cri::CpuUsage>, Option<cri::Mem
             rss_bytes: u64v(s.rss),
             page_faults: u64v(s.page_faults),
             major_page_faults: u64v(s.major_page_faults),
+            psi: None,
         }),
     )
 }
@@ -507,6 +575,7 @@ pub fn container_stats(v: &ContainerView, u: &crate::pods::Usage) -> cri::Contai
             inodes_used: u64v(u.writable_inodes),
         }),
         swap: None,
+        io: None,
     }
 }
 
@@ -533,6 +602,7 @@ pub fn pod_stats(
                 process_count: u64v(s.pids),
             }),
             containers,
+            io: None,
         }),
         windows: None,
     }
@@ -607,6 +677,36 @@ mod tests {
     }
 
     #[test]
+    fn every_cri_signal_round_trips_through_the_name_hako_keeps() {
+        for v in 1..=64 {
+            let Ok(sig) = cri::Signal::try_from(v) else {
+                break;
+            };
+            let name = signal_name(v).unwrap().unwrap();
+            let n = parse_signal(&name).unwrap_or_else(|| panic!("{name} ({sig:?}) not parsed"));
+            // Aliases (SIGCLD, SIGIOT, SIGPOLL) come back as the signal's own name.
+            let back = cri::Signal::try_from(signal_cri(Some(&name))).unwrap();
+            assert_eq!(
+                parse_signal(&signal_name(back as i32).unwrap().unwrap()),
+                Some(n),
+                "{sig:?} came back as {back:?}"
+            );
+        }
+        assert_eq!(signal_name(0).unwrap(), None);
+        assert!(signal_name(9999).is_err());
+        assert_eq!(signal_cri(None), cri::Signal::Sigterm as i32);
+        assert_eq!(signal_cri(Some("9")), cri::Signal::Sigkill as i32);
+        assert_eq!(
+            signal_cri(Some("SIGRTMIN+1")),
+            cri::Signal::Sigrtminplus1 as i32
+        );
+        assert_eq!(
+            signal_cri(Some("SIGRTMAX-1")),
+            cri::Signal::Sigrtmaxminus1 as i32
+        );
+    }
+
+    #[test]
     fn a_container_status_names_the_image_as_the_pod_spec_does() {
         let config = |image: &str, user: &str| cri::ContainerConfig {
             image: Some(cri::ImageSpec {
@@ -620,7 +720,8 @@ mod tests {
         let spec = container_req(config(
             id,
             "registry.k8s.io/e2e-test-images/busybox:1.37.0-2",
-        ));
+        ))
+        .unwrap();
         assert_eq!(spec.image, id, "the image the container is made from");
         let st = status_image(&spec);
         assert_eq!(st.image, "registry.k8s.io/e2e-test-images/busybox:1.37.0-2");
@@ -630,7 +731,7 @@ mod tests {
         );
         // Without a user-specified image (crictl, older kubelets): the one requested.
         assert_eq!(
-            status_image(&container_req(config("busybox:1", ""))).image,
+            status_image(&container_req(config("busybox:1", "")).unwrap()).image,
             "busybox:1"
         );
     }

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use k8s_cri::v1 as cri;
-use k8s_cri::v1::image_service_server::ImageService;
+use hako_proto::cri;
+use hako_proto::cri::image_service_server::ImageService;
 use tonic::{Request, Response, Status};
 
 use super::{now_nanos, status};
@@ -62,6 +62,23 @@ impl ImageService for ImageSvc {
             .map_err(|e| status("ListImages", e))?;
         Ok(Response::new(cri::ListImagesResponse {
             images: images.into_iter().map(to_cri).collect(),
+        }))
+    }
+
+    type StreamImagesStream = super::runtime::ListStream<cri::StreamImagesResponse>;
+
+    async fn stream_images(
+        &self,
+        req: Request<cri::StreamImagesRequest>,
+    ) -> Result<Response<Self::StreamImagesStream>, Status> {
+        let filter = req.into_inner().filter;
+        let images = self
+            .list_images(Request::new(cri::ListImagesRequest { filter }))
+            .await?
+            .into_inner()
+            .images;
+        Ok(super::runtime::chunked(images, |images| {
+            cri::StreamImagesResponse { images }
         }))
     }
 

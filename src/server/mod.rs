@@ -9,8 +9,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_cri::v1::image_service_server::ImageServiceServer;
-use k8s_cri::v1::runtime_service_server::RuntimeServiceServer;
+use hako_proto::cri::image_service_server::ImageServiceServer;
+use hako_proto::cri::runtime_service_server::RuntimeServiceServer;
 
 use crate::daemon::Daemon;
 use crate::error::{chain, Error};

@@ -1,12 +1,14 @@
-//! `runtime.v1.RuntimeService`. RPCs not built yet (CheckpointContainer,
-//! ListPodSandboxMetrics, GetContainerEvents) answer UNIMPLEMENTED naming the RPC. Exec, Attach
-//! and PortForward return URLs on the streaming server (`crate::streaming`).
+//! `runtime.v1.RuntimeService`. RPCs not built yet (CheckpointContainer, CheckpointPod,
+//! RestorePod, ListPodSandboxMetrics and its stream, GetContainerEvents) answer UNIMPLEMENTED
+//! naming the RPC. Exec, Attach and PortForward return URLs on the streaming server
+//! (`crate::streaming`). The Stream* lists (kubelet's CRIListStreaming) send what the List RPC
+//! of the same filter answers, in responses of at most `STREAM_CHUNK` items.
 
 use std::pin::Pin;
 use std::sync::Arc;
 
-use k8s_cri::v1 as cri;
-use k8s_cri::v1::runtime_service_server::RuntimeService;
+use hako_proto::cri;
+use hako_proto::cri::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
 use super::{convert, status, unimplemented};
@@ -83,6 +85,28 @@ impl Runtime {
 type EventStream =
     Pin<Box<dyn futures::Stream<Item = Result<cri::ContainerEventResponse, Status>> + Send>>;
 
+/// Items per response of a Stream* list. A container or pod with kubelet's labels and
+/// annotations encodes to well under 4 KiB, so a response stays far below gRPC's 4 MiB default
+/// message limit, which is what the streaming lists exist to avoid.
+pub(super) const STREAM_CHUNK: usize = 256;
+
+pub(super) type ListStream<T> = Pin<Box<dyn futures::Stream<Item = Result<T, Status>> + Send>>;
+
+/// `items` as a stream of responses of at most `STREAM_CHUNK` each, every item in exactly one;
+/// no items, no response (the stream ends at once).
+pub(super) fn chunked<I, T>(items: Vec<I>, wrap: fn(Vec<I>) -> T) -> Response<ListStream<T>>
+where
+    I: Send + 'static,
+    T: Send + 'static,
+{
+    let mut chunks = Vec::with_capacity(items.len().div_ceil(STREAM_CHUNK));
+    let mut items = items.into_iter().peekable();
+    while items.peek().is_some() {
+        chunks.push(Ok(wrap(items.by_ref().take(STREAM_CHUNK).collect())));
+    }
+    Response::new(Box::pin(futures::stream::iter(chunks)))
+}
+
 #[tonic::async_trait]
 impl RuntimeService for Runtime {
     async fn version(
@@ -130,6 +154,8 @@ impl RuntimeService for Runtime {
                 .collect(),
             features: Some(cri::RuntimeFeatures {
                 supplemental_groups_policy: true,
+                mount_options: true,
+                user_namespaces_host_network: false,
             }),
             ..Default::default()
         };
@@ -416,7 +442,7 @@ impl RuntimeService for Runtime {
                 Error::InvalidArgument("container config is missing".into()),
             )
         })?;
-        let spec = convert::container_req(config);
+        let spec = convert::container_req(config).map_err(|e| status("CreateContainer", e))?;
         tracing::debug!(rpc = "CreateContainer", pod = %req.pod_sandbox_id, name = %spec.name);
         let pod = req.pod_sandbox_id;
         let id = to_completion(&self.daemon, "CreateContainer", |d| async move {
@@ -659,5 +685,146 @@ impl RuntimeService for Runtime {
         _: Request<cri::ListPodSandboxMetricsRequest>,
     ) -> Result<Response<cri::ListPodSandboxMetricsResponse>, Status> {
         unimplemented("ListPodSandboxMetrics")
+    }
+
+    type StreamPodSandboxMetricsStream = ListStream<cri::StreamPodSandboxMetricsResponse>;
+
+    async fn stream_pod_sandbox_metrics(
+        &self,
+        _: Request<cri::StreamPodSandboxMetricsRequest>,
+    ) -> Result<Response<Self::StreamPodSandboxMetricsStream>, Status> {
+        unimplemented("StreamPodSandboxMetrics")
+    }
+
+    type StreamPodSandboxesStream = ListStream<cri::StreamPodSandboxesResponse>;
+
+    async fn stream_pod_sandboxes(
+        &self,
+        req: Request<cri::StreamPodSandboxesRequest>,
+    ) -> Result<Response<Self::StreamPodSandboxesStream>, Status> {
+        let filter = req.into_inner().filter;
+        let items = self
+            .list_pod_sandbox(Request::new(cri::ListPodSandboxRequest { filter }))
+            .await?
+            .into_inner()
+            .items;
+        Ok(chunked(items, |pod_sandboxes| {
+            cri::StreamPodSandboxesResponse { pod_sandboxes }
+        }))
+    }
+
+    type StreamContainersStream = ListStream<cri::StreamContainersResponse>;
+
+    async fn stream_containers(
+        &self,
+        req: Request<cri::StreamContainersRequest>,
+    ) -> Result<Response<Self::StreamContainersStream>, Status> {
+        let filter = req.into_inner().filter;
+        let items = self
+            .list_containers(Request::new(cri::ListContainersRequest { filter }))
+            .await?
+            .into_inner()
+            .containers;
+        Ok(chunked(items, |containers| cri::StreamContainersResponse {
+            containers,
+        }))
+    }
+
+    type StreamContainerStatsStream = ListStream<cri::StreamContainerStatsResponse>;
+
+    async fn stream_container_stats(
+        &self,
+        req: Request<cri::StreamContainerStatsRequest>,
+    ) -> Result<Response<Self::StreamContainerStatsStream>, Status> {
+        let filter = req.into_inner().filter;
+        let items = self
+            .list_container_stats(Request::new(cri::ListContainerStatsRequest { filter }))
+            .await?
+            .into_inner()
+            .stats;
+        Ok(chunked(items, |container_stats| {
+            cri::StreamContainerStatsResponse { container_stats }
+        }))
+    }
+
+    type StreamPodSandboxStatsStream = ListStream<cri::StreamPodSandboxStatsResponse>;
+
+    async fn stream_pod_sandbox_stats(
+        &self,
+        req: Request<cri::StreamPodSandboxStatsRequest>,
+    ) -> Result<Response<Self::StreamPodSandboxStatsStream>, Status> {
+        let filter = req.into_inner().filter;
+        let items = self
+            .list_pod_sandbox_stats(Request::new(cri::ListPodSandboxStatsRequest { filter }))
+            .await?
+            .into_inner()
+            .stats;
+        Ok(chunked(items, |pod_sandbox_stats| {
+            cri::StreamPodSandboxStatsResponse { pod_sandbox_stats }
+        }))
+    }
+
+    async fn checkpoint_pod(
+        &self,
+        _: Request<cri::CheckpointPodRequest>,
+    ) -> Result<Response<cri::CheckpointPodResponse>, Status> {
+        unimplemented("CheckpointPod")
+    }
+
+    async fn restore_pod(
+        &self,
+        _: Request<cri::RestorePodRequest>,
+    ) -> Result<Response<cri::RestorePodResponse>, Status> {
+        unimplemented("RestorePod")
+    }
+
+    /// kubelet calls this after it has resized the pod's cgroup itself; it tells a runtime
+    /// that keeps pod-level resources (for NRI plugins, say) what they are now. hako keeps
+    /// none (its pods' cgroups are kubelet's), so it only answers for a pod it knows.
+    async fn update_pod_sandbox_resources(
+        &self,
+        req: Request<cri::UpdatePodSandboxResourcesRequest>,
+    ) -> Result<Response<cri::UpdatePodSandboxResourcesResponse>, Status> {
+        let id = req.into_inner().pod_sandbox_id;
+        self.daemon
+            .runtime
+            .pod(&id)
+            .map_err(|e| status("UpdatePodSandboxResources", e))?;
+        tracing::debug!(rpc = "UpdatePodSandboxResources", pod = %id, "nothing to update");
+        Ok(Response::new(cri::UpdatePodSandboxResourcesResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+
+    #[tokio::test]
+    async fn a_streamed_list_sends_every_item_once_in_bounded_non_empty_responses() {
+        for n in [
+            0,
+            1,
+            STREAM_CHUNK - 1,
+            STREAM_CHUNK,
+            STREAM_CHUNK + 1,
+            3 * STREAM_CHUNK + 7,
+        ] {
+            let items: Vec<usize> = (0..n).collect();
+            let responses: Vec<Vec<usize>> = chunked(items, |v| v)
+                .into_inner()
+                .map(|r| r.unwrap())
+                .collect()
+                .await;
+            assert_eq!(responses.len(), n.div_ceil(STREAM_CHUNK), "{n} items");
+            assert!(
+                responses
+                    .iter()
+                    .all(|r| !r.is_empty() && r.len() <= STREAM_CHUNK),
+                "{n} items"
+            );
+            let all: Vec<usize> = responses.into_iter().flatten().collect();
+            assert_eq!(all, (0..n).collect::<Vec<_>>());
+        }
     }
 }

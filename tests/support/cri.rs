@@ -4,13 +4,14 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use k8s_cri::v1 as cri;
+use hako_proto::cri;
 
 use super::hako::Hako;
 use super::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
 use super::registry::Registry;
 
-pub type Rt = k8s_cri::v1::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>;
+pub type Rt =
+    hako_proto::cri::runtime_service_client::RuntimeServiceClient<tonic::transport::Channel>;
 
 pub const IMAGE: &str = "registry.k8s.io/e2e-test-images/busybox:1.29-2";
 
@@ -127,6 +128,22 @@ pub async fn run_pod_err(rt: &mut Rt, cfg: &cri::PodSandboxConfig) -> tonic::Sta
     rt.run_pod_sandbox(cri::RunPodSandboxRequest {
         config: Some(cfg.clone()),
         runtime_handler: String::new(),
+    })
+    .await
+    .unwrap_err()
+}
+
+/// CreateContainer that is expected to fail; its error.
+pub async fn create_container_err(
+    rt: &mut Rt,
+    pod: &str,
+    cfg: &cri::PodSandboxConfig,
+    cc: cri::ContainerConfig,
+) -> tonic::Status {
+    rt.create_container(cri::CreateContainerRequest {
+        pod_sandbox_id: pod.into(),
+        config: Some(cc),
+        sandbox_config: Some(cfg.clone()),
     })
     .await
     .unwrap_err()

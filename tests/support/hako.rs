@@ -5,16 +5,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use k8s_cri::v1::image_service_client::ImageServiceClient;
-use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use hako_proto::cri::image_service_client::ImageServiceClient;
+use hako_proto::cri::runtime_service_client::RuntimeServiceClient;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 /// PullImage of `image` through `h`'s CRI socket; the image ref it answers.
 pub async fn pull(h: &Hako, image: &str) -> Result<String, tonic::Status> {
     h.images()
         .await
-        .pull_image(k8s_cri::v1::PullImageRequest {
-            image: Some(k8s_cri::v1::ImageSpec {
+        .pull_image(hako_proto::cri::PullImageRequest {
+            image: Some(hako_proto::cri::ImageSpec {
                 image: image.into(),
                 ..Default::default()
             }),
