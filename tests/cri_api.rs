@@ -1,7 +1,7 @@
-//! What Kubernetes 1.37's CRI asks beyond 1.32's, end to end against a real hako: the
-//! streamed lists (kubelet's CRIListStreaming), UpdatePodSandboxResources, mount options,
-//! environment values as bytes, and clear refusals for what hako does not do (image volumes,
-//! pod checkpoints).
+//! What Kubernetes 1.37's CRI asks beyond 1.32's, end to end against a real hako: image
+//! volumes and their sub paths, the streamed lists (kubelet's CRIListStreaming),
+//! UpdatePodSandboxResources, mount options, environment values as bytes, and clear refusals
+//! for what hako does not do (pod checkpoints).
 
 mod support;
 
@@ -11,6 +11,7 @@ use std::os::unix::fs::PermissionsExt;
 use futures::StreamExt;
 use hako_proto::cri;
 use support::cri::*;
+use support::oci::{Compression, Image, ImageConf, Layer, Pusher, Tar};
 
 /// Every item of a stream, checking that no response is empty.
 async fn drain<T>(mut s: tonic::Streaming<T>, items: impl Fn(T) -> Vec<String>) -> Vec<String> {
@@ -243,24 +244,6 @@ async fn pod_resources_updates_and_what_hako_does_not_do_get_clear_answers() {
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
 
-    // An image volume is refused at create with the mount named, and leaves nothing.
-    let mut cc = container_config("imgvol", &["sleep", "60"]);
-    cc.mounts = vec![cri::Mount {
-        container_path: "/models".into(),
-        image: Some(cri::ImageSpec {
-            image: IMAGE.into(),
-            ..Default::default()
-        }),
-        readonly: true,
-        ..Default::default()
-    }];
-    let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
-    assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
-    assert!(
-        e.message().contains("image volume") && e.message().contains("/models"),
-        "{e:?}"
-    );
-
     // Environment values are bytes in this CRI; one that is not UTF-8 is refused, naming the
     // variable, and one that is arrives as sent.
     let mut cc = container_config("env", &["sleep", "60"]);
@@ -363,6 +346,198 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
         .into_inner()
         .containers;
     assert_eq!(listed.len(), 2, "only plain and strict: {listed:?}");
+
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// A container of `pod` with image volumes at `/vol<n>`: `(image, sub path)` each.
+fn with_image_volumes(name: &str, vols: &[(&str, &str)]) -> cri::ContainerConfig {
+    let mut cc = container_config(name, &["sleep", "600"]);
+    cc.mounts = vols
+        .iter()
+        .enumerate()
+        .map(|(n, (image, sub))| cri::Mount {
+            container_path: format!("/vol{n}"),
+            image: Some(cri::ImageSpec {
+                image: image.to_string(),
+                ..Default::default()
+            }),
+            image_sub_path: sub.to_string(),
+            readonly: true,
+            ..Default::default()
+        })
+        .collect();
+    cc
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn image_volumes_mount_the_image_read_only_and_sub_paths_stay_inside_it() {
+    let Some((reg, h)) = ready().await else {
+        return;
+    };
+    // Two layers: the second replaces a file of the first and adds a symlink that points at
+    // the host's /etc from the host's point of view.
+    let mut base = Tar::default();
+    base.file("models/weights.bin", b"v1", 0o644)
+        .file("models/config.json", b"{}", 0o644)
+        .file("etc/marker", b"image etc", 0o644);
+    let mut top = Tar::default();
+    top.file("models/weights.bin", b"v2", 0o644)
+        .symlink("escape", "/etc")
+        .symlink("up", "../../../../../../etc");
+    let img = Image::new(
+        vec![
+            Layer::new(&base.finish(), Compression::Gzip, false),
+            Layer::new(&top.finish(), Compression::Gzip, false),
+        ],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr)
+        .push("e2e-test-images/models", "1", &img)
+        .await;
+    let image = "registry.k8s.io/e2e-test-images/models:1";
+    let image_ref = support::hako::pull(&h, image).await.unwrap();
+    // A one-layer image too (overlay needs a second lower directory without an upper one).
+    let one = Image::new(
+        vec![Layer::new(
+            &support::oci::marker_tar("only/file", b"one layer"),
+            Compression::Gzip,
+            false,
+        )],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr)
+        .push("e2e-test-images/onelayer", "1", &one)
+        .await;
+    let one_image = "registry.k8s.io/e2e-test-images/onelayer:1";
+    support::hako::pull(&h, one_image).await.unwrap();
+
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("imgvol", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+
+    // Whole image (named by the ref kubelet got from its pull), a sub path, a sub path through
+    // a symlink, and the one-layer image.
+    let cc = with_image_volumes(
+        "reader",
+        &[
+            (&image_ref, ""),
+            (image, "models"),
+            (image, "escape"),
+            (one_image, ""),
+        ],
+    );
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(
+        exec(&mut rt, &id, "cat /vol0/models/weights.bin").await,
+        "v2"
+    );
+    assert_eq!(
+        exec(&mut rt, &id, "cat /vol1/weights.bin /vol1/config.json").await,
+        "v2{}"
+    );
+    // `escape -> /etc` is the image's /etc, not the host's.
+    assert_eq!(exec(&mut rt, &id, "cat /vol2/marker").await, "image etc");
+    assert_eq!(
+        exec(
+            &mut rt,
+            &id,
+            "test -e /vol2/passwd && echo host || echo image"
+        )
+        .await,
+        "image"
+    );
+    assert_eq!(exec(&mut rt, &id, "cat /vol3/only/file").await, "one layer");
+    // Read-only, whatever the container's user.
+    assert_eq!(
+        exec(
+            &mut rt,
+            &id,
+            "touch /vol0/new 2>/dev/null && echo wrote || echo refused"
+        )
+        .await,
+        "refused"
+    );
+    let mounts = exec(&mut rt, &id, "grep ' /vol1 ' /proc/self/mountinfo").await;
+    assert!(
+        mounts
+            .split_whitespace()
+            .nth(5)
+            .unwrap()
+            .split(',')
+            .any(|o| o == "ro"),
+        "{mounts}"
+    );
+    // The status names the image and sub path as kubelet sent them.
+    let st = status(&mut rt, &id).await;
+    let vol1 = st
+        .mounts
+        .iter()
+        .find(|m| m.container_path == "/vol1")
+        .unwrap();
+    assert_eq!(vol1.image.as_ref().unwrap().image, image);
+    assert_eq!(vol1.image_sub_path, "models");
+    assert!(vol1.host_path.is_empty(), "{vol1:?}");
+
+    // A sub path the image does not have, or that climbs out through a symlink to somewhere
+    // the image has nothing, fails the create naming it, and leaves nothing behind.
+    for (n, sub) in ["missing", "up/passwd", "models/weights.bin/x"]
+        .iter()
+        .enumerate()
+    {
+        let e = create_container_err(
+            &mut rt,
+            &pod,
+            &cfg,
+            with_image_volumes(&format!("bad{n}"), &[(image, sub)]),
+        )
+        .await;
+        assert!(
+            matches!(
+                e.code(),
+                tonic::Code::NotFound | tonic::Code::InvalidArgument
+            ),
+            "{sub}: {e:?}"
+        );
+        assert!(
+            e.message().contains(sub) && e.message().contains("/vol0"),
+            "{e:?}"
+        );
+    }
+    // An image the node does not have.
+    let e = create_container_err(
+        &mut rt,
+        &pod,
+        &cfg,
+        with_image_volumes("absent", &[("registry.k8s.io/e2e-test-images/nope:1", "")]),
+    )
+    .await;
+    assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
+    assert!(e.message().contains("nope:1"), "{e:?}");
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert_eq!(listed.len(), 1, "only the reader: {listed:?}");
+
+    // Removing the image while a container mounts it keeps the container's view whole.
+    h.images()
+        .await
+        .remove_image(cri::RemoveImageRequest {
+            image: Some(cri::ImageSpec {
+                image: image.into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap();
+    assert_eq!(exec(&mut rt, &id, "cat /vol1/weights.bin").await, "v2");
 
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);

@@ -6,6 +6,7 @@
 //! (as containerd reports from its own store).
 
 use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +22,7 @@ use super::{
     Undo,
 };
 use crate::error::{chain, Error, Result};
-use crate::store::{Table, RECORD_VERSION};
+use crate::store::{ImageRecord, Table, RECORD_VERSION};
 
 /// The largest Localhost seccomp profile read (Docker's default profile is about 20 KiB).
 const SECCOMP_PROFILE_CAP: u64 = 1 << 20;
@@ -69,10 +70,29 @@ impl Runtime {
             Error::NotFound(format!("image {:?} not found: pull it first", req.image))
         })?;
         let config = self.images.config(&image)?;
+        // Image volumes' images are on the node already (kubelet pulled them); each is found
+        // before anything is made, and their layers are pinned with the container's own.
+        let mut volume_images = Vec::new();
+        for m in &req.mounts {
+            if let Some(name) = &m.image {
+                volume_images.push(self.images.find(name)?.ok_or_else(|| {
+                    Error::NotFound(format!(
+                        "container {}: image {name:?} of volume {} not found: pull it first",
+                        req.name, m.container_path
+                    ))
+                })?);
+            }
+        }
+        let mut chain_ids = image.chain_ids.clone();
+        for c in volume_images.iter().flat_map(|v| &v.chain_ids) {
+            if !chain_ids.contains(c) {
+                chain_ids.push(c.clone());
+            }
+        }
         let id = new_id();
         let mut undo = Undo::default();
         self.reserve(&key, &id, &mut undo)?;
-        self.store.pin(&id, &image.chain_ids)?;
+        self.store.pin(&id, &chain_ids)?;
         {
             let (store, id) = (self.store.clone(), id.clone());
             undo.push(move || {
@@ -84,17 +104,12 @@ impl Runtime {
         {
             let (b, l) = (bundle.clone(), layer.clone());
             undo.push(move || {
-                let _ = rootfs::unmount(&b.join("rootfs"));
+                let _ = rootfs::unmount_bundle(&b);
                 let _ = std::fs::remove_dir_all(&b);
                 let _ = std::fs::remove_dir_all(&l);
             });
         }
-        let lowers: Vec<PathBuf> = image
-            .chain_ids
-            .iter()
-            .rev()
-            .map(|c| self.images.snapshot_fs(c))
-            .collect();
+        let lowers = self.lowers(&image);
         // CDI devices resolve before anything is made: an unknown one leaves nothing behind.
         let cdi_names = spec::cdi_requests(&req);
         let cdi = if cdi_names.is_empty() {
@@ -118,6 +133,7 @@ impl Runtime {
         // Reads the image's account files, devices and profiles: bounded, but still file I/O,
         // so off the async workers. All of it before the spec, which is a pure function.
         let planned = tokio::task::block_in_place(|| {
+            let req = self.mount_image_volumes(&bundle, &req, &volume_images)?;
             let inputs = self.spec_inputs(&pod, &id, &req, &config, &root, target_pid)?;
             let planned = spec::container_spec(&pod, &id, &req, &config, inputs)?;
             create_host_paths(&req)?;
@@ -180,7 +196,7 @@ impl Runtime {
             state: ContainerState::Created,
             started_at: 0,
             exit: None,
-            chain_ids: image.chain_ids.clone(),
+            chain_ids,
             cgroups_path,
             stop_signal,
             user: Some(user),
@@ -689,6 +705,82 @@ pub(super) struct Survey {
     /// running) has written their final states, their containers that did not exit are
     /// Unknown, not what their records last said.
     gone: HashSet<String>,
+}
+
+impl Runtime {
+    /// An image's unpacked layers as overlay lower dirs, topmost first.
+    fn lowers(&self, image: &ImageRecord) -> Vec<PathBuf> {
+        image
+            .chain_ids
+            .iter()
+            .rev()
+            .map(|c| self.images.snapshot_fs(c))
+            .collect()
+    }
+
+    /// Mounts each image volume of `req` (its image in `images`, in mount order) read-only
+    /// under the container's bundle, and returns the request as the spec is to see it: those
+    /// mounts bound from there, read-only, a sub path resolved inside the image.
+    fn mount_image_volumes<'a>(
+        &self,
+        bundle: &Path,
+        req: &'a ContainerSpecReq,
+        images: &[ImageRecord],
+    ) -> Result<std::borrow::Cow<'a, ContainerSpecReq>> {
+        if images.is_empty() {
+            return Ok(std::borrow::Cow::Borrowed(req));
+        }
+        let mut out = req.clone();
+        let vols = bundle.join(rootfs::IMAGE_VOLUMES);
+        let mounts = out
+            .mounts
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, m)| m.image.is_some());
+        for ((n, m), image) in mounts.zip(images) {
+            let lowers = self.lowers(image);
+            let target = vols.join(n.to_string());
+            rootfs::mount_image_volume(&lowers, &vols.join(".empty"), &target)
+                .map_err(|e| e.context(format!("container {}", req.name)))?;
+            let source = image_sub_path(&target, &m.image_sub_path).map_err(|e| {
+                let msg = format!(
+                    "container {}: sub path {:?} of image volume {} (image {}): {e}",
+                    req.name, m.image_sub_path, m.container_path, image.id
+                );
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    Error::NotFound(msg)
+                } else {
+                    Error::InvalidArgument(msg)
+                }
+            })?;
+            m.host_path = source.display().to_string();
+            m.readonly = true;
+        }
+        Ok(std::borrow::Cow::Owned(out))
+    }
+}
+
+/// Where `sub` (a path inside the image, `""` for its root) lies below the mounted image at
+/// `root`. The kernel resolves it inside the image (`RESOLVE_IN_ROOT`): a symlink on the way
+/// means what it means in the image and never leads onto the host. The image is mounted
+/// read-only and its layers are the daemon's, so the path found stays what it is.
+fn image_sub_path(root: &Path, sub: &str) -> std::io::Result<PathBuf> {
+    if sub.is_empty() {
+        return Ok(root.to_path_buf());
+    }
+    let fd = crate::inroot::open(
+        root,
+        sub,
+        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_CLOEXEC,
+    )?;
+    let found = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    if !found.starts_with(root) {
+        return Err(std::io::Error::other(format!(
+            "resolved to {} outside the image",
+            found.display()
+        )));
+    }
+    Ok(found)
 }
 
 /// Creates the missing host paths of a container's mounts as directories, as containerd

@@ -278,7 +278,7 @@ impl Runtime {
     /// Unmounts a container's rootfs and removes its bundle and writable layer.
     fn remove_container_files(&self, id: &str) -> Result<()> {
         let bundle = self.bundle_dir(id);
-        rootfs::unmount(&bundle.join("rootfs"))?;
+        rootfs::unmount_bundle(&bundle)?;
         for d in [bundle, self.layer_dir(id)] {
             if let Err(e) = std::fs::remove_dir_all(&d) {
                 if e.kind() != std::io::ErrorKind::NotFound {

@@ -249,7 +249,7 @@ impl Runtime {
                     }
                     true
                 })?;
-            let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
+            let _ = rootfs::unmount_bundle(&self.bundle_dir(&c.id));
         }
         // The pod's init died with its monitor (PR_SET_PDEATHSIG): only the pins are left.
         hako_runtime::monitor::unpin_namespaces(&dir);

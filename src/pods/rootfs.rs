@@ -50,21 +50,71 @@ pub fn mount_overlay(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Pat
         upper.display(),
         work.display()
     );
+    overlay(
+        target,
+        &data,
+        MsFlags::empty(),
+        lowers.len(),
+        "mount overlay at",
+    )
+}
+
+/// Mounts an overlay with options `data` at `target`; `layers` names the count in the error
+/// when the options do not fit the page the kernel reads them from.
+fn overlay(
+    target: &Path,
+    data: &str,
+    flags: MsFlags,
+    layers: usize,
+    op: &'static str,
+) -> Result<()> {
     if data.len() >= 4096 {
         return Err(Error::FailedPrecondition(format!(
-            "overlay options for {} exceed a page ({} layers)",
+            "overlay options for {} exceed a page ({layers} layers)",
             target.display(),
-            lowers.len()
         )));
     }
-    mount(
-        Some("overlay"),
-        target,
-        Some("overlay"),
-        MsFlags::empty(),
-        Some(data.as_str()),
-    )
-    .map_err(|e| Error::io("mount overlay at", target, e.into()))
+    mount(Some("overlay"), target, Some("overlay"), flags, Some(data))
+        .map_err(|e| Error::io(op, target, e.into()))
+}
+
+/// Where a container's bundle keeps its image volumes' mounts, one directory per volume.
+pub const IMAGE_VOLUMES: &str = "imagevols";
+
+/// Mounts an image's layers (`lowers`, topmost first) read-only at `target`: an image volume.
+/// Overlay needs two lower layers when it has no upper one, so a one-layer image gets an empty
+/// directory (`empty`, created here) beneath it.
+pub fn mount_image_volume(lowers: &[PathBuf], empty: &Path, target: &Path) -> Result<()> {
+    for d in [empty, target] {
+        std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
+    }
+    if lowers.is_empty() {
+        return Err(Error::InvalidArgument("image has no layers".into()));
+    }
+    let mut dirs: Vec<String> = lowers.iter().map(|p| p.display().to_string()).collect();
+    if dirs.len() == 1 {
+        dirs.push(empty.display().to_string());
+    }
+    let data = format!("lowerdir={}", dirs.join(":"));
+    let flags = MsFlags::MS_RDONLY | MsFlags::MS_NODEV | MsFlags::MS_NOSUID;
+    overlay(target, &data, flags, lowers.len(), "mount image volume at")
+}
+
+/// Unmounts what a container's bundle has mounted: its rootfs and its image volumes. Done
+/// before the bundle is removed, so the removal never walks into a mounted image.
+pub fn unmount_bundle(bundle: &Path) -> Result<()> {
+    unmount(&bundle.join("rootfs"))?;
+    let vols = bundle.join(IMAGE_VOLUMES);
+    let entries = match std::fs::read_dir(&vols) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io("list", &vols, e)),
+    };
+    for e in entries {
+        let e = e.map_err(|e| Error::io("list", &vols, e))?;
+        unmount(&e.path())?;
+    }
+    Ok(())
 }
 
 /// Unmounts `target` if it is mounted; a path that is not a mount point is fine.
@@ -385,6 +435,41 @@ mod tests {
         // Not mounted, or not there at all: fine.
         unmount(&target).unwrap();
         unmount(&d.path().join("missing")).unwrap();
+    }
+
+    #[test]
+    fn image_volumes_mount_read_only_and_go_with_the_bundle() {
+        let d = tempfile::tempdir().unwrap();
+        let layer = d.path().join("layer");
+        std::fs::create_dir(&layer).unwrap();
+        std::fs::write(layer.join("f"), "data").unwrap();
+        let bundle = d.path().join("bundle");
+        let vols = bundle.join(IMAGE_VOLUMES);
+        let targets = [vols.join("0"), vols.join("1")];
+        let _guards: Vec<_> = targets.iter().map(|t| Unmount(t.clone())).collect();
+        // One layer (overlay wants two without an upper: the empty dir is the second), then two.
+        mount_image_volume(
+            std::slice::from_ref(&layer),
+            &vols.join(".empty"),
+            &targets[0],
+        )
+        .unwrap();
+        let below = d.path().join("below");
+        std::fs::create_dir(&below).unwrap();
+        std::fs::write(below.join("f"), "covered").unwrap();
+        mount_image_volume(&[layer.clone(), below], &vols.join(".empty"), &targets[1]).unwrap();
+        for t in &targets {
+            assert_eq!(std::fs::read_to_string(t.join("f")).unwrap(), "data");
+            let e = std::fs::write(t.join("new"), "w").unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{}", t.display());
+        }
+        unmount_bundle(&bundle).unwrap();
+        for t in &targets {
+            assert!(!t.join("f").exists(), "{} still mounted", t.display());
+        }
+        // The bundle can go now, and a bundle without image volumes unmounts fine.
+        std::fs::remove_dir_all(&bundle).unwrap();
+        unmount_bundle(&bundle).unwrap();
     }
 
     #[test]

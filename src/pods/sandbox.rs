@@ -300,7 +300,7 @@ impl Runtime {
                     });
                     true
                 })?;
-            let _ = rootfs::unmount(&self.bundle_dir(&c.id).join("rootfs"));
+            let _ = rootfs::unmount_bundle(&self.bundle_dir(&c.id));
         }
         // Before the namespace goes: plugins clean up inside it. A failure fails the stop
         // (kubelet retries it) rather than leak an IP lease.

@@ -824,7 +824,7 @@ mod tests {
             readonly,
             propagation,
             recursive_readonly: rro,
-            options: Vec::new(),
+            ..Default::default()
         };
         let pod_files = vec![
             (

@@ -105,6 +105,13 @@ pub struct MountReq {
     /// Restrictions kubelet adds to the bind mount (CRI `mount_options`): any of `MOUNT_OPTIONS`.
     #[serde(default)]
     pub options: Vec<String>,
+    /// An image volume (CRI `Mount.image`): the image, as kubelet names it after its pull,
+    /// whose layers are mounted read-only in place of a host path.
+    #[serde(default)]
+    pub image: Option<String>,
+    /// The directory of the image to mount instead of its root (CRI `image_sub_path`).
+    #[serde(default)]
+    pub image_sub_path: String,
 }
 
 /// The bind-mount options a CRI mount may ask for. Each only takes something away from what

@@ -249,16 +249,23 @@ pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error>
             ))),
         })
         .collect::<Result<Vec<_>, _>>()?;
-    if let Some(m) = c.mounts.iter().find(|m| m.image.is_some()) {
-        return Err(Error::Unimplemented(format!(
-            "image volumes (container {}: mount {} of image {:?})",
-            md.name,
-            m.container_path,
-            m.image
-                .as_ref()
-                .map(|i| i.image.as_str())
-                .unwrap_or_default()
-        )));
+    for m in &c.mounts {
+        let bad = |why: &str| {
+            Err(Error::InvalidArgument(format!(
+                "container {}: mount {}: {why}",
+                md.name, m.container_path
+            )))
+        };
+        match &m.image {
+            Some(_) if !m.host_path.is_empty() => {
+                return bad("names both a host path and an image");
+            }
+            Some(i) if i.image.is_empty() => return bad("names an empty image"),
+            None if !m.image_sub_path.is_empty() => {
+                return bad("has an image sub path but no image");
+            }
+            _ => {}
+        }
     }
     let stop_signal = signal_name(c.stop_signal)
         .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", md.name)))?;
@@ -299,6 +306,8 @@ pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error>
                 },
                 recursive_readonly: m.recursive_read_only,
                 options: m.mount_options,
+                image: m.image.map(|i| i.image),
+                image_sub_path: m.image_sub_path,
             })
             .collect(),
         devices: c
@@ -455,6 +464,12 @@ pub fn container_status(v: &ContainerView) -> cri::ContainerStatus {
                     Propagation::Bidirectional => cri::MountPropagation::PropagationBidirectional,
                 }) as i32,
                 recursive_read_only: m.recursive_readonly,
+                image: m.image.as_ref().map(|image| cri::ImageSpec {
+                    image: image.clone(),
+                    ..Default::default()
+                }),
+                image_sub_path: m.image_sub_path.clone(),
+                mount_options: m.options.clone(),
                 ..Default::default()
             })
             .collect(),
