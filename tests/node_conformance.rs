@@ -137,14 +137,23 @@ async fn push_images(p: &Pusher, agnhost: &Path) -> Vec<String> {
         ("e2e-test-images/nautilus", "1.8"),
     ] {
         // A marker per image: distinct image IDs, as upstream's are.
+        let mut marker = Tar::default();
+        marker.file(&format!("{repo}-{tag}"), b"", 0o644);
+        if repo.ends_with("/kitten") {
+            // What the ImageVolume specs read from upstream's kitten (an Alpine image) when
+            // they mount it as a volume.
+            marker
+                .file("data.json", br#"{"image": "kitten.jpg"}"#, 0o644)
+                .file(
+                    "etc/os-release",
+                    b"NAME=\"Alpine Linux\"\nID=alpine\n",
+                    0o644,
+                );
+        }
         let img = Image::new(
             vec![
                 base.clone(),
-                Layer::new(
-                    &oci::marker_tar(&format!("{repo}-{tag}"), b""),
-                    Compression::Gzip,
-                    false,
-                ),
+                Layer::new(&marker.finish(), Compression::Gzip, false),
             ],
             &ImageConf::default(),
             false,
