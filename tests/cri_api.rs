@@ -386,6 +386,21 @@ async fn image_volumes_mount_the_image_read_only_and_sub_paths_stay_inside_it() 
     top.file("models/weights.bin", b"v2", 0o644)
         .symlink("escape", "/etc")
         .symlink("up", "../../../../../../etc");
+    // A directory whose name is not UTF-8, reached through `data -> a\xff`, beside a symlink
+    // to the host's root named as that name reads when made UTF-8 lossily (`a\u{FFFD}`): a
+    // sub path carried as a lossy string would have named the host's root, and a bind with a
+    // root that is not UTF-8 in mountinfo fails every later container create (libcontainer
+    // reads mountinfo as UTF-8), so such a sub path is refused.
+    top.raw(tar::EntryType::Directory, b"a\xff/", b"", b"", 0o755)
+        .raw(
+            tar::EntryType::Regular,
+            b"a\xff/inside",
+            b"",
+            b"image dir",
+            0o644,
+        )
+        .raw(tar::EntryType::Symlink, b"data", b"a\xff", b"", 0o777)
+        .symlink("a\u{FFFD}", "/");
     let img = Image::new(
         vec![
             Layer::new(&base.finish(), Compression::Gzip, false),
@@ -429,6 +444,8 @@ async fn image_volumes_mount_the_image_read_only_and_sub_paths_stay_inside_it() 
             (image, "models"),
             (image, "escape"),
             (one_image, ""),
+            (image, "models"),
+            (image, "models/config.json"),
         ],
     );
     let id = run_container(&mut rt, &pod, &cfg, cc).await;
@@ -452,6 +469,10 @@ async fn image_volumes_mount_the_image_read_only_and_sub_paths_stay_inside_it() 
         "image"
     );
     assert_eq!(exec(&mut rt, &id, "cat /vol3/only/file").await, "one layer");
+    // Two sub paths of one image: one overlay, two binds.
+    assert_eq!(exec(&mut rt, &id, "cat /vol4/weights.bin").await, "v2");
+    // A sub path naming a file binds that file.
+    assert_eq!(exec(&mut rt, &id, "cat /vol5").await, "{}");
     // Read-only, whatever the container's user.
     assert_eq!(
         exec(
@@ -483,9 +504,10 @@ async fn image_volumes_mount_the_image_read_only_and_sub_paths_stay_inside_it() 
     assert_eq!(vol1.image_sub_path, "models");
     assert!(vol1.host_path.is_empty(), "{vol1:?}");
 
-    // A sub path the image does not have, or that climbs out through a symlink to somewhere
-    // the image has nothing, fails the create naming it, and leaves nothing behind.
-    for (n, sub) in ["missing", "up/passwd", "models/weights.bin/x"]
+    // A sub path the image does not have, that climbs out through a symlink to somewhere the
+    // image has nothing, that goes through a file, or that resolves to a name that is not
+    // UTF-8, fails the create naming it, and leaves nothing behind.
+    for (n, sub) in ["missing", "up/passwd", "models/weights.bin/x", "data"]
         .iter()
         .enumerate()
     {
@@ -508,6 +530,11 @@ async fn image_volumes_mount_the_image_read_only_and_sub_paths_stay_inside_it() 
             "{e:?}"
         );
     }
+    // More image volumes than a container may have.
+    let many: Vec<(&str, &str)> = (0..65).map(|_| (image, "")).collect();
+    let e = create_container_err(&mut rt, &pod, &cfg, with_image_volumes("many", &many)).await;
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("65 image volumes"), "{e:?}");
     // An image the node does not have.
     let e = create_container_err(
         &mut rt,

@@ -104,8 +104,11 @@ impl Runtime {
         {
             let (b, l) = (bundle.clone(), layer.clone());
             undo.push(move || {
-                let _ = rootfs::unmount_bundle(&b);
-                let _ = std::fs::remove_dir_all(&b);
+                // A bundle still holding a mount is left to the next start's orphan release:
+                // removing it would walk into the mount.
+                if rootfs::unmount_bundle(&b).is_ok() {
+                    let _ = std::fs::remove_dir_all(&b);
+                }
                 let _ = std::fs::remove_dir_all(&l);
             });
         }
@@ -730,29 +733,52 @@ impl Runtime {
         if images.is_empty() {
             return Ok(std::borrow::Cow::Borrowed(req));
         }
+        if images.len() > MAX_IMAGE_VOLUMES {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: {} image volumes, more than {MAX_IMAGE_VOLUMES}",
+                req.name,
+                images.len()
+            )));
+        }
         let mut out = req.clone();
         let vols = bundle.join(rootfs::IMAGE_VOLUMES);
+        // One read-only mount per image, however many volumes name it.
+        let mut mounted: HashMap<&str, PathBuf> = HashMap::new();
         let mounts = out
             .mounts
             .iter_mut()
             .enumerate()
             .filter(|(_, m)| m.image.is_some());
         for ((n, m), image) in mounts.zip(images) {
-            let lowers = self.lowers(image);
-            let target = vols.join(n.to_string());
-            rootfs::mount_image_volume(&lowers, &vols.join(".empty"), &target)
-                .map_err(|e| e.context(format!("container {}", req.name)))?;
-            let source = image_sub_path(&target, &m.image_sub_path).map_err(|e| {
-                let msg = format!(
-                    "container {}: sub path {:?} of image volume {} (image {}): {e}",
-                    req.name, m.image_sub_path, m.container_path, image.id
-                );
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    Error::NotFound(msg)
-                } else {
-                    Error::InvalidArgument(msg)
+            let root = match mounted.get(image.id.as_str()) {
+                Some(root) => root.clone(),
+                None => {
+                    let root = vols.join(n.to_string());
+                    rootfs::mount_image_volume(&self.lowers(image), &vols.join(".empty"), &root)
+                        .map_err(|e| e.context(format!("container {}", req.name)))?;
+                    mounted.insert(&image.id, root.clone());
+                    root
                 }
-            })?;
+            };
+            let source = if m.image_sub_path.is_empty() {
+                root
+            } else {
+                let at = vols.join(format!("{n}.sub"));
+                bind_sub_path(&root, &m.image_sub_path, &at).map_err(|e| {
+                    let msg = format!(
+                        "container {}: sub path {:?} of image volume {} (image {}): {e}",
+                        req.name, m.image_sub_path, m.container_path, image.id
+                    );
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        Error::NotFound(msg)
+                    } else {
+                        Error::InvalidArgument(msg)
+                    }
+                })?;
+                at
+            };
+            // A path the daemon named (`imagevols/<n>` or `<n>.sub`): nothing of the image's
+            // own names reaches the OCI spec, where libcontainer resolves it again.
             m.host_path = source.display().to_string();
             m.readonly = true;
         }
@@ -760,33 +786,50 @@ impl Runtime {
     }
 }
 
-/// Where `sub` (a path inside the image, `""` for its root) lies below the mounted image at
-/// `root`. The kernel resolves it inside the image (`RESOLVE_IN_ROOT`): a symlink on the way
-/// means what it means in the image and never leads onto the host. The image is mounted
-/// read-only and its layers are the daemon's, so the path found stays what it is.
-fn image_sub_path(root: &Path, sub: &str) -> std::io::Result<PathBuf> {
-    if sub.is_empty() {
-        return Ok(root.to_path_buf());
+/// Image volumes a container may have: each is a mount in the host's mount table (and in
+/// every mount namespace made after it) until the container is removed.
+const MAX_IMAGE_VOLUMES: usize = 64;
+
+/// Binds `sub` (a path inside the image mounted at `root`) onto `at`, a path the daemon
+/// names. The kernel resolves `sub` inside the image (`RESOLVE_IN_ROOT`): a symlink on the way
+/// means what it means in the image and never leads onto the host. The bind is made from the
+/// descriptor that resolution returned, never from the path again, so no name in the image
+/// (one that is not UTF-8, say) is ever read as a host path.
+fn bind_sub_path(root: &Path, sub: &str, at: &Path) -> std::io::Result<()> {
+    use nix::fcntl::OFlag;
+    let fd = crate::inroot::open(root, sub, OFlag::O_PATH | OFlag::O_CLOEXEC)?;
+    // The bind's root appears in every mountinfo on the node, and libcontainer cannot read a
+    // mountinfo line that is not UTF-8: such a mount would fail every container create.
+    let real = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    if real.to_str().is_none() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "it resolves to a name that is not UTF-8",
+        ));
     }
-    let fd = crate::inroot::open(
-        root,
-        sub,
-        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_CLOEXEC,
+    let st = nix::sys::stat::fstat(fd.as_raw_fd())?;
+    // The mount point has the kind of what is bound onto it.
+    if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+        std::fs::create_dir(at)?;
+    } else {
+        std::fs::File::create(at)?;
+    }
+    let from = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    nix::mount::mount(
+        Some(from.as_str()),
+        at,
+        None::<&str>,
+        nix::mount::MsFlags::MS_BIND,
+        None::<&str>,
     )?;
-    let found = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
-    if !found.starts_with(root) {
-        return Err(std::io::Error::other(format!(
-            "resolved to {} outside the image",
-            found.display()
-        )));
-    }
-    Ok(found)
+    Ok(())
 }
 
 /// Creates the missing host paths of a container's mounts as directories, as containerd
 /// and CRI-O do, with their 0755 (the daemon's umask is 077).
 fn create_host_paths(req: &ContainerSpecReq) -> Result<()> {
-    for m in &req.mounts {
+    // An image volume's source is a mount the daemon made, never a path to create.
+    for m in req.mounts.iter().filter(|m| m.image.is_none()) {
         if !Path::new(&m.host_path).exists() {
             rootfs::create_dirs(Path::new(&m.host_path), 0o755)?;
         }

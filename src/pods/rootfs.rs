@@ -100,21 +100,26 @@ pub fn mount_image_volume(lowers: &[PathBuf], empty: &Path, target: &Path) -> Re
     overlay(target, &data, flags, lowers.len(), "mount image volume at")
 }
 
-/// Unmounts what a container's bundle has mounted: its rootfs and its image volumes. Done
-/// before the bundle is removed, so the removal never walks into a mounted image.
+/// Unmounts what a container's bundle has mounted: its rootfs and its image volumes (with
+/// their sub path binds). Done before the bundle is removed, so the removal never walks into a
+/// mounted image. Tries every mount and returns the first error.
 pub fn unmount_bundle(bundle: &Path) -> Result<()> {
-    unmount(&bundle.join("rootfs"))?;
+    let mut first = unmount(&bundle.join("rootfs")).err();
     let vols = bundle.join(IMAGE_VOLUMES);
     let entries = match std::fs::read_dir(&vols) {
         Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(Error::io("list", &vols, e)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return first.map_or(Ok(()), Err),
+        Err(e) => return Err(first.unwrap_or(Error::io("list", &vols, e))),
     };
     for e in entries {
-        let e = e.map_err(|e| Error::io("list", &vols, e))?;
-        unmount(&e.path())?;
+        let r = e
+            .map_err(|e| Error::io("list", &vols, e))
+            .and_then(|e| unmount(&e.path()));
+        if let Err(e) = r {
+            first.get_or_insert(e);
+        }
     }
-    Ok(())
+    first.map_or(Ok(()), Err)
 }
 
 /// Unmounts `target` if it is mounted; a path that is not a mount point is fine.

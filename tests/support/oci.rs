@@ -109,6 +109,28 @@ impl Tar {
         self
     }
 
+    /// An entry whose name (and link target) are raw bytes, which need not be UTF-8; no
+    /// parent directories are added.
+    pub fn raw(
+        &mut self,
+        kind: tar::EntryType,
+        path: &[u8],
+        target: &[u8],
+        data: &[u8],
+        mode: u32,
+    ) -> &mut Self {
+        use std::os::unix::ffi::OsStrExt;
+        let path = Path::new(std::ffi::OsStr::from_bytes(path));
+        let mut h = Self::header(kind, mode, data.len() as u64);
+        if kind == tar::EntryType::Symlink {
+            let target = Path::new(std::ffi::OsStr::from_bytes(target));
+            self.b.append_link(&mut h, path, target).unwrap();
+        } else {
+            self.b.append_data(&mut h, path, data).unwrap();
+        }
+        self
+    }
+
     /// Copies a host file (following symlinks) to `dest` with its mode.
     pub fn host_file(&mut self, host: &Path, dest: &str) -> &mut Self {
         use std::os::unix::fs::PermissionsExt;
