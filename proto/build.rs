@@ -21,12 +21,16 @@ fn main() {
     prost_build::compile_protos(&["monitor.proto"], &["."])
         .expect("compile monitor.proto (protoc is needed: apt-get install protobuf-compiler)");
 
+    // Printing any rerun-if line ends cargo's default of rerunning on every change in the
+    // package, and prost-build prints none for monitor.proto: name what this script reads.
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=monitor.proto");
     println!("cargo:rerun-if-env-changed=HAKO_CRI_API_PROTO");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
     let source = cri_api_proto(&out);
     let text = std::fs::read(&source)
         .unwrap_or_else(|e| panic!("read the CRI api.proto at {}: {e}", source.display()));
-    let sum = hex(&Sha256::digest(&text));
+    let sum = format!("{:x}", Sha256::digest(&text));
     if sum != CRI_API_PROTO_SHA256 {
         panic!(
             "{} is not k8s.io/cri-api {CRI_API_VERSION}'s {PROTO_IN_MODULE}: its SHA-256 is {sum}, \
@@ -117,8 +121,4 @@ fn without_debug_redact(text: &[u8]) -> Vec<u8> {
         "api.proto uses debug_redact in a form build.rs does not know"
     );
     out.into_bytes()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
