@@ -798,9 +798,10 @@ const MAX_IMAGE_VOLUMES: usize = 64;
 fn bind_sub_path(root: &Path, sub: &str, at: &Path) -> std::io::Result<()> {
     use nix::fcntl::OFlag;
     let fd = crate::inroot::open(root, sub, OFlag::O_PATH | OFlag::O_CLOEXEC)?;
+    let from = format!("/proc/self/fd/{}", fd.as_raw_fd());
     // The bind's root appears in every mountinfo on the node, and libcontainer cannot read a
     // mountinfo line that is not UTF-8: such a mount would fail every container create.
-    let real = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    let real = std::fs::read_link(&from)?;
     if real.to_str().is_none() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
@@ -814,7 +815,6 @@ fn bind_sub_path(root: &Path, sub: &str, at: &Path) -> std::io::Result<()> {
     } else {
         std::fs::File::create(at)?;
     }
-    let from = format!("/proc/self/fd/{}", fd.as_raw_fd());
     nix::mount::mount(
         Some(from.as_str()),
         at,

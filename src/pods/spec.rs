@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use hako_runtime::spec::{self as oci, ContainerSpec, Ns, Resources};
 use oci_spec::image::{Config, ImageConfiguration};
 
+use super::types::MOUNT_OPTIONS;
 use super::{ContainerSpecReq, NsMode, PodRecord, Propagation, SeccompReq, Security, UserIds};
 use crate::error::{Error, Result};
 
@@ -54,7 +55,7 @@ pub struct Account {
 #[derive(Debug, Clone)]
 pub struct Planned {
     pub spec: ContainerSpec,
-    /// The image's STOPSIGNAL, validated.
+    /// The signal a stop sends first (the pod spec's or the image's), validated.
     pub stop_signal: Option<String>,
     /// Full path of the CRI log file, or empty.
     pub log_path: String,
@@ -112,18 +113,7 @@ pub fn container_spec(
 ) -> Result<Planned> {
     let ic = section(image);
     let strings = |v: &Option<Vec<String>>| v.clone().unwrap_or_default();
-    let stop_signal = match &req.stop_signal {
-        Some(sig) => {
-            parse_signal(sig).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "container {}: unknown stop signal {sig:?}",
-                    req.name
-                ))
-            })?;
-            Some(sig.clone())
-        }
-        None => stop_signal(&req.image, image)?,
-    };
+    let stop_signal = stop_signal(req, image)?;
     let (entrypoint, cmd) = (strings(ic.entrypoint()), strings(ic.cmd()));
     // Kubernetes: command replaces the entrypoint (and drops the image's cmd); args replace cmd.
     let args: Vec<String> = if !req.command.is_empty() {
@@ -180,13 +170,11 @@ pub fn container_spec(
         if let Some(bad) = m
             .options
             .iter()
-            .find(|o| !crate::pods::types::MOUNT_OPTIONS.contains(&o.as_str()))
+            .find(|o| !MOUNT_OPTIONS.contains(&o.as_str()))
         {
             return Err(Error::InvalidArgument(format!(
                 "container {}: mount {}: option {bad:?} is not one of {:?}",
-                req.name,
-                m.container_path,
-                crate::pods::types::MOUNT_OPTIONS
+                req.name, m.container_path, MOUNT_OPTIONS
             )));
         }
         mounts.push(oci::Mount {
@@ -310,19 +298,19 @@ pub fn container_spec(
     })
 }
 
-/// The image's STOPSIGNAL when it has one; one no kernel has is refused, naming the image.
-pub fn stop_signal(image_name: &str, image: &ImageConfiguration) -> Result<Option<String>> {
-    match section(image).stop_signal().as_deref() {
-        Some(sig) if !sig.is_empty() => {
-            parse_signal(sig).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "image {image_name} has an unknown STOPSIGNAL {sig:?}"
-                ))
-            })?;
-            Ok(Some(sig.to_string()))
-        }
-        _ => Ok(None),
-    }
+/// The signal a stop sends first: the pod spec's when it names one, else the image's
+/// STOPSIGNAL, else none (SIGTERM). One no kernel has is refused, naming where it came from.
+pub fn stop_signal(req: &ContainerSpecReq, image: &ImageConfiguration) -> Result<Option<String>> {
+    let (sig, from) = match &req.stop_signal {
+        Some(sig) => (sig.as_str(), format!("container {}: stop signal", req.name)),
+        None => match section(image).stop_signal().as_deref() {
+            Some(sig) if !sig.is_empty() => (sig, format!("image {}: STOPSIGNAL", req.image)),
+            _ => return Ok(None),
+        },
+    };
+    parse_signal(sig)
+        .ok_or_else(|| Error::InvalidArgument(format!("{from} {sig:?} is unknown")))?;
+    Ok(Some(sig.to_string()))
 }
 
 /// The Localhost seccomp profile a container names, to be read before its spec; refused

@@ -267,8 +267,8 @@ pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error>
             _ => {}
         }
     }
-    let stop_signal = signal_name(c.stop_signal)
-        .map_err(|e| Error::InvalidArgument(format!("container {}: {e}", md.name)))?;
+    let stop_signal =
+        signal_name(c.stop_signal).map_err(|e| e.context(format!("container {}", md.name)))?;
     let linux = c.linux.unwrap_or_default();
     let r = linux.resources.unwrap_or_default();
     let s = linux.security_context.unwrap_or_default();
