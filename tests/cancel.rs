@@ -91,14 +91,7 @@ async fn pods_named(rt: &mut Rt, name: &str) -> Vec<String> {
 }
 
 async fn container_ids(rt: &mut Rt) -> Vec<String> {
-    rt.list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers
-        .into_iter()
-        .map(|c| c.id)
-        .collect()
+    all_containers(rt).await.into_iter().map(|c| c.id).collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -518,12 +518,7 @@ async fn churn_under_daemon_and_monitor_kills_leaves_everything_accounted_for() 
         pods.is_empty(),
         "pods left after every client removed its own: {pods:?}"
     );
-    let ctrs = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let ctrs = all_containers(&mut rt).await;
     assert!(ctrs.is_empty(), "containers left: {ctrs:?}");
     for pod in &m.pods {
         assert_no_leaks(&g, pod);

@@ -263,12 +263,7 @@ async fn pod_resources_updates_and_what_hako_does_not_do_get_clear_answers() {
     }];
     let id = run_container(&mut rt, &pod, &cfg, cc).await;
     assert_eq!(exec(&mut rt, &id, "echo $GOOD").await, "grüße");
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert_eq!(listed.len(), 1, "only the env container: {listed:?}");
 
     let features = rt
@@ -339,12 +334,7 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
         e.message().contains("suid") && e.message().contains("/data"),
         "{e:?}"
     );
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert_eq!(listed.len(), 2, "only plain and strict: {listed:?}");
 
     remove_pod(&mut rt, &pod).await;
@@ -545,12 +535,7 @@ async fn image_volumes_mount_the_image_read_only_and_sub_paths_stay_inside_it() 
     .await;
     assert_eq!(e.code(), tonic::Code::NotFound, "{e:?}");
     assert!(e.message().contains("nope:1"), "{e:?}");
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert_eq!(listed.len(), 1, "only the reader: {listed:?}");
 
     // Removing the image while a container mounts it keeps the container's view whole.

@@ -164,12 +164,7 @@ async fn account_files_resolve_inside_the_image_and_only_as_regular_files() {
         after < before + 64 * 1024,
         "the daemon's peak RSS grew from {before} to {after} KiB"
     );
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert!(
         listed.is_empty(),
         "refused creates leave nothing: {listed:?}"

@@ -115,12 +115,7 @@ async fn pod_and_container_lifecycle() {
         || processes_with_cmdline(&["sleep", "37"]) == 0,
     )
     .await;
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert_eq!(listed.len(), 2);
     let running = listed.iter().find(|c| c.id == sid).unwrap();
     assert_eq!(running.state, cri::ContainerState::ContainerRunning as i32);
@@ -187,13 +182,7 @@ async fn pod_and_container_lifecycle() {
         .into_inner()
         .items
         .is_empty());
-    assert!(rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers
-        .is_empty());
+    assert!(all_containers(&mut rt).await.is_empty());
     assert_no_leaks(&h, &pod);
 }
 
@@ -498,12 +487,7 @@ async fn a_dead_monitor_is_detected_and_its_pod_reported() {
     assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("monitor is gone"), "{err:?}");
     // The relist reports what the monitor recorded.
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     let state = |id: &str| listed.iter().find(|c| c.id == id).unwrap().state;
     assert_eq!(
         state(&done),
@@ -924,12 +908,7 @@ async fn stop_uses_the_pod_specs_or_the_images_stop_signal() {
             "{e:?}"
         );
     }
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert_eq!(listed.len(), 3, "only trap, int and plain: {listed:?}");
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
@@ -1062,12 +1041,7 @@ async fn a_running_pod_survives_the_loss_of_the_store() {
         let meta = pods[0].metadata.clone().unwrap();
         assert_eq!(meta.name, cfg.metadata.as_ref().unwrap().name);
         assert_eq!(pods[0].labels, cfg.labels);
-        let listed = rt
-            .list_containers(cri::ListContainersRequest::default())
-            .await
-            .unwrap()
-            .into_inner()
-            .containers;
+        let listed = all_containers(&mut rt).await;
         assert_eq!(listed.len(), 2, "{lose}: {listed:?}");
         let st = status(&mut rt, &sleeper).await;
         assert_eq!(st.state, cri::ContainerState::ContainerRunning as i32);
@@ -1383,12 +1357,7 @@ async fn concurrent_creates_of_one_name_wait_for_the_first_and_return_its_object
     cids.dedup();
     assert_eq!(cids.len(), 1, "one container for one name: {cids:?}");
     let mut rt = h.runtime().await;
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert_eq!(listed.len(), 1, "{listed:?}");
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
@@ -1473,12 +1442,7 @@ async fn an_exit_reaches_lists_and_status_without_asking_the_monitor() {
     .await;
     nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGSTOP).unwrap();
     let resume = Resume(monitor);
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     let state = |c: &str| listed.iter().find(|l| l.id == c).expect("listed").state;
     assert_eq!(state(&id), cri::ContainerState::ContainerExited as i32);
     assert_eq!(
@@ -1519,12 +1483,7 @@ async fn a_killed_monitor_turns_its_pod_not_ready_in_the_list() {
     );
     kill_monitor(&mut rt, &pod).await;
     wait_not_ready(&mut rt, &pod).await;
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     let c = listed.iter().find(|c| c.id == id).expect("listed");
     assert_eq!(c.state, cri::ContainerState::ContainerUnknown as i32);
     assert!(h.log_text().contains("pod monitor is gone"), "logged");

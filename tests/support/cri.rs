@@ -133,6 +133,15 @@ pub async fn run_pod_err(rt: &mut Rt, cfg: &cri::PodSandboxConfig) -> tonic::Sta
     .unwrap_err()
 }
 
+/// Every container hako lists (ListContainers, no filter).
+pub async fn all_containers(rt: &mut Rt) -> Vec<cri::Container> {
+    rt.list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers
+}
+
 /// CreateContainer that is expected to fail; its error.
 pub async fn create_container_err(
     rt: &mut Rt,
