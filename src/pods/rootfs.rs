@@ -463,10 +463,20 @@ mod tests {
         std::fs::create_dir(&below).unwrap();
         std::fs::write(below.join("f"), "covered").unwrap();
         mount_image_volume(&[layer.clone(), below], &vols.join(".empty"), &targets[1]).unwrap();
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         for t in &targets {
             assert_eq!(std::fs::read_to_string(t.join("f")).unwrap(), "data");
             let e = std::fs::write(t.join("new"), "w").unwrap_err();
             assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{}", t.display());
+            // The mount's own flags: read-only, no set-id programs, no device nodes.
+            let line = mountinfo
+                .lines()
+                .find(|l| l.split(' ').nth(4) == Some(t.to_str().unwrap()))
+                .unwrap();
+            let flags: Vec<&str> = line.split(' ').nth(5).unwrap().split(',').collect();
+            for want in ["ro", "nosuid", "nodev"] {
+                assert!(flags.contains(&want), "{want} missing: {line}");
+            }
         }
         unmount_bundle(&bundle).unwrap();
         for t in &targets {
@@ -475,6 +485,10 @@ mod tests {
         // The bundle can go now, and a bundle without image volumes unmounts fine.
         std::fs::remove_dir_all(&bundle).unwrap();
         unmount_bundle(&bundle).unwrap();
+        // A volumes entry that cannot be listed is an error, not "no volumes".
+        std::fs::create_dir(&bundle).unwrap();
+        std::fs::write(bundle.join(IMAGE_VOLUMES), "").unwrap();
+        assert!(unmount_bundle(&bundle).is_err());
     }
 
     #[test]

@@ -948,6 +948,11 @@ mod tests {
     #[test]
     fn stop_signals_are_kept_or_refused() {
         check(|_| {}, |p| assert_eq!(p.stop_signal, None));
+        // An empty STOPSIGNAL is none.
+        check(
+            |c| c.image["config"]["StopSignal"] = json!(""),
+            |p| assert_eq!(p.stop_signal, None),
+        );
         check(
             |c| c.image["config"]["StopSignal"] = json!("SIGQUIT"),
             |p| assert_eq!(p.stop_signal.as_deref(), Some("SIGQUIT")),

@@ -722,6 +722,83 @@ mod tests {
     }
 
     #[test]
+    fn a_mount_is_a_host_path_or_an_image_never_both() {
+        let with = |m: cri::Mount| cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: "c".into(),
+                attempt: 0,
+            }),
+            mounts: vec![m],
+            ..Default::default()
+        };
+        let image = |name: &str| {
+            Some(cri::ImageSpec {
+                image: name.into(),
+                ..Default::default()
+            })
+        };
+        for (m, why) in [
+            (
+                cri::Mount {
+                    container_path: "/v".into(),
+                    host_path: "/srv".into(),
+                    image: image("app:1"),
+                    ..Default::default()
+                },
+                "both a host path and an image",
+            ),
+            (
+                cri::Mount {
+                    container_path: "/v".into(),
+                    image: image(""),
+                    ..Default::default()
+                },
+                "an empty image",
+            ),
+            (
+                cri::Mount {
+                    container_path: "/v".into(),
+                    host_path: "/srv".into(),
+                    image_sub_path: "etc".into(),
+                    ..Default::default()
+                },
+                "sub path but no image",
+            ),
+        ] {
+            let e = container_req(with(m)).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("container c") && msg.contains("/v") && msg.contains(why),
+                "{msg}"
+            );
+        }
+        // An image volume with a sub path, and a plain host path, are taken as sent.
+        let req = container_req(with(cri::Mount {
+            container_path: "/v".into(),
+            image: image("app:1"),
+            image_sub_path: "etc".into(),
+            ..Default::default()
+        }))
+        .unwrap();
+        assert_eq!(req.mounts[0].image.as_deref(), Some("app:1"));
+        assert_eq!(req.mounts[0].image_sub_path, "etc");
+        let req = container_req(with(cri::Mount {
+            container_path: "/v".into(),
+            host_path: "/srv".into(),
+            ..Default::default()
+        }))
+        .unwrap();
+        assert_eq!(
+            (
+                req.mounts[0].image.as_deref(),
+                req.mounts[0].host_path.as_str()
+            ),
+            (None, "/srv")
+        );
+    }
+
+    #[test]
     fn a_container_status_names_the_image_as_the_pod_spec_does() {
         let config = |image: &str, user: &str| cri::ContainerConfig {
             image: Some(cri::ImageSpec {
