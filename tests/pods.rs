@@ -1181,6 +1181,51 @@ async fn what_a_crash_cut_short_is_released_and_its_names_are_free_again() {
     assert_no_leaks(&h, &lost_again);
 }
 
+/// Files of an unfinished create that cannot be removed (here a bundle whose image-volume
+/// directory is a file, so its mounts cannot be listed) do not keep the daemon from starting:
+/// they are left in place and named in its log, and the other orphans are removed.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_orphan_that_cannot_be_removed_does_not_keep_the_daemon_down() {
+    let Some((_reg, mut h)) = ready().await else {
+        return;
+    };
+    h.stop();
+    let bundles = h.dir.path().join("state/containers");
+    let stuck = bundles.join("stuck-orphan");
+    std::fs::create_dir_all(stuck.join("rootfs")).unwrap();
+    std::fs::write(stuck.join("imagevols"), b"not a directory").unwrap();
+    let gone = bundles.join("gone-orphan");
+    std::fs::create_dir_all(gone.join("rootfs")).unwrap();
+    h.restart();
+    assert!(
+        stuck.exists(),
+        "the orphan that could not be unmounted is left"
+    );
+    assert!(!gone.exists(), "the other orphan is removed");
+    let log = h.log_text();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("stuck-orphan") && l.contains("left in place")),
+        "{log}"
+    );
+    // Serving: a pod and its container run.
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("after-orphans", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("up", &["sleep", "60"]),
+    )
+    .await;
+    assert_eq!(exec(&mut rt, &id, "echo up").await, "up");
+    remove_pod(&mut rt, &pod).await;
+    std::fs::remove_dir_all(&stuck).unwrap();
+    assert_no_leaks(&h, &pod);
+}
+
 /// The monitor's socket answers what it does not know with an error and keeps serving:
 /// an unknown call, a message that does not decode, an oversized frame.
 #[tokio::test(flavor = "multi_thread")]

@@ -409,7 +409,11 @@ impl Runtime {
                     .collect();
             for id in dirs.into_iter().filter(|id| !containers.contains(id)) {
                 tracing::warn!(container = %id, "removing the files of a container whose create did not finish");
-                self.remove_container_files(&id)?;
+                // One container's files that cannot go must not keep the node's runtime
+                // down: they stay, said once per start, and the next start tries again.
+                if let Err(e) = self.remove_container_files(&id) {
+                    tracing::error!(container = %id, error = %crate::error::chain(&e), "could not remove the files of a container whose create did not finish: left in place");
+                }
             }
         }
         for (name, holder) in self.store.reservations()? {
