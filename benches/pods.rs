@@ -2,8 +2,8 @@
 //! its pause image, here the Go stand-in), in the same run on the same machine.
 //!
 //! For each of `HAKO_BENCH_PODS` rounds (default 50), per runtime: RunPodSandbox,
-//! CreateContainer, StartContainer, ExecSync, StopContainer, StopPodSandbox (then an untimed
-//! RemovePodSandbox). Pods use the host network for this part, so it times the runtimes without
+//! CreateContainer, StartContainer, ExecSync, StopContainer, StopContainer with timeout 0 of a
+//! second container (created and started untimed), StopPodSandbox, RemovePodSandbox. Pods use the host network for this part, so it times the runtimes without
 //! CNI plugins; IPC, UTS and the rest are the pod's own.
 //! Then, on a bridge network (CNI bridge + host-local + portmap): the CNI chain alone (1 and
 //! 10 at a time, no runtime), 10 RunPodSandbox in flight and 10 CreateContainer+StartContainer
@@ -36,13 +36,15 @@ use common::{
     host_pod_config as pod_config, percentile, sleeper_config as container_config,
     SLEEPER_IMAGE as IMAGE,
 };
-const STEPS: [&str; 6] = [
+const STEPS: [&str; 8] = [
     "RunPodSandbox",
     "CreateContainer",
     "StartContainer",
     "ExecSync",
     "StopContainer",
+    "StopContainer, timeout 0",
     "StopPodSandbox",
+    "RemovePodSandbox",
 ];
 
 /// PSS in KiB of a process, from smaps_rollup.
@@ -180,6 +182,36 @@ async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str,
         .await
         .unwrap();
     record(times, STEPS[4], t);
+    // A second container stopped without a grace period (kubelet's force delete, or a grace
+    // period run out): SIGKILL to every process of it.
+    let mut killed_cfg = container_config();
+    killed_cfg.metadata.as_mut().unwrap().name = "killed".into();
+    let killed = c
+        .runtime
+        .create_container(cri::CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(killed_cfg),
+            sandbox_config: Some(cfg.clone()),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", r.name))
+        .into_inner()
+        .container_id;
+    c.runtime
+        .start_container(cri::StartContainerRequest {
+            container_id: killed.clone(),
+        })
+        .await
+        .unwrap();
+    let t = Instant::now();
+    c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: killed,
+            timeout: 0,
+        })
+        .await
+        .unwrap();
+    record(times, STEPS[5], t);
     let t = Instant::now();
     c.runtime
         .stop_pod_sandbox(cri::StopPodSandboxRequest {
@@ -187,13 +219,15 @@ async fn lifecycle(r: &Runtime, round: usize, times: &mut BTreeMap<&'static str,
         })
         .await
         .unwrap();
-    record(times, STEPS[5], t);
+    record(times, STEPS[6], t);
+    let t = Instant::now();
     c.runtime
         .remove_pod_sandbox(cri::RemovePodSandboxRequest {
             pod_sandbox_id: pod,
         })
         .await
         .unwrap();
+    record(times, STEPS[7], t);
 }
 
 /// One column per runtime: p50 (p99), and containerd's p50 over this hako's.

@@ -1181,6 +1181,85 @@ async fn what_a_crash_cut_short_is_released_and_its_names_are_free_again() {
     assert_no_leaks(&h, &lost_again);
 }
 
+/// A stop that ends in SIGKILL (timeout 0, as kubelet's force delete) ends every process of
+/// the container, not only its init, whether the container has a PID namespace of its own,
+/// shares the pod's, or runs in the node's; and so does a RemovePodSandbox of its running pod.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kill_ends_every_process_of_the_container_whatever_its_pid_namespace() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let modes = [
+        ("own", cri::NamespaceMode::Container),
+        ("pod", cri::NamespaceMode::Pod),
+        ("node", cri::NamespaceMode::Node),
+    ];
+    for (n, (name, mode)) in modes.into_iter().enumerate() {
+        let mut cfg = pod_config(&format!("kill-{name}"), logs.path());
+        let ns = cri::NamespaceOption {
+            pid: mode as i32,
+            ..Default::default()
+        };
+        cfg.linux = Some(cri::LinuxPodSandboxConfig {
+            security_context: Some(cri::LinuxSandboxSecurityContext {
+                namespace_options: Some(ns.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        let pod = run_pod(&mut rt, &cfg).await;
+        // Two background processes beside an init that ignores SIGTERM; one per stop path.
+        let (stopped, removed) = (format!("{}", 7710 + n), format!("{}", 7720 + n));
+        let mut ids = Vec::new();
+        for (c, marker) in [("stopped", &stopped), ("removed", &removed)] {
+            let script = format!("trap '' TERM; sleep {marker} & sleep {marker} & wait");
+            let mut cc = container_config(c, &["sh", "-c", &script]);
+            cc.linux = Some(cri::LinuxContainerConfig {
+                security_context: Some(cri::LinuxContainerSecurityContext {
+                    namespace_options: Some(ns.clone()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+            ids.push(run_container(&mut rt, &pod, &cfg, cc).await);
+            support::wait_for(
+                "the container's background processes",
+                Duration::from_secs(30),
+                || processes_with_cmdline(&["sleep", marker]) == 2,
+            )
+            .await;
+        }
+        rt.stop_container(cri::StopContainerRequest {
+            container_id: ids[0].clone(),
+            timeout: 0,
+        })
+        .await
+        .unwrap();
+        support::wait_for(
+            &format!("every process of the stopped container ({name} PID namespace) to end"),
+            Duration::from_secs(10),
+            || processes_with_cmdline(&["sleep", &stopped]) == 0,
+        )
+        .await;
+        assert_eq!(processes_with_cmdline(&["sleep", &removed]), 2);
+        // RemovePodSandbox alone, as kubelet may send it: it stops what still runs.
+        rt.remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await
+        .unwrap();
+        support::wait_for(
+            &format!("every process of the removed pod's container ({name} PID namespace) to end"),
+            Duration::from_secs(10),
+            || processes_with_cmdline(&["sleep", &removed]) == 0,
+        )
+        .await;
+        assert_no_leaks(&h, &pod);
+    }
+}
+
 /// Files of an unfinished create that cannot be removed (here a bundle whose image-volume
 /// directory is a file, so its mounts cannot be listed) do not keep the daemon from starting:
 /// they are left in place and named in its log, and the other orphans are removed.

@@ -65,6 +65,8 @@ pub(crate) enum Phase {
 
 pub(crate) struct Ctr {
     pub pid: Pid,
+    /// Its init is PID 1 of a PID namespace of its own (`service::kill_namespace_init`).
+    pub own_pid_ns: bool,
     pub phase: Phase,
     pub started_at: i64,
     pub exit: Option<Exit>,

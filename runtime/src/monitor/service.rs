@@ -426,6 +426,22 @@ impl Svc {
         self.state.lock().expect("state").opts.container_dir(id)
     }
 
+    /// Sends `sig` to every process of container `id` (init `pid`, not reaped yet).
+    fn signal_every_process(
+        &self,
+        id: &str,
+        pid: nix::unistd::Pid,
+        own_pid_ns: bool,
+        sig: Signal,
+    ) -> Result<(), Status> {
+        if sig == Signal::SIGKILL && own_pid_ns {
+            return kill_namespace_init(pid).map_err(|e| err(format!("signal container {id}"), e));
+        }
+        let mut c = self.load(id)?;
+        c.kill(sig, true)
+            .map_err(|e| lc_err(format!("signal container {id}"), e))
+    }
+
     fn load(&self, id: &str) -> Result<Container, Status> {
         Container::load(self.youki_root().join(id))
             .map_err(|e| lc_err(format!("load container {id}"), e))
@@ -650,6 +666,7 @@ impl Svc {
             req.id.clone(),
             Ctr {
                 pid,
+                own_pid_ns: leads_own_pid_ns(pid),
                 phase: Phase::Created,
                 started_at: 0,
                 exit: None,
@@ -715,12 +732,12 @@ impl Svc {
         if !(1..=libc::SIGRTMAX()).contains(&req.signal) {
             return Err(Status::invalid_argument(format!("signal {}", req.signal)));
         }
-        let (pid, phase) = {
+        let (pid, phase, own_pid_ns) = {
             let st = self.state.lock().expect("state");
             let c = st.containers.get(&req.id).ok_or_else(|| {
                 Status::not_found(format!("container {} not found in pod monitor", req.id))
             })?;
-            (c.pid, c.phase)
+            (c.pid, c.phase, c.own_pid_ns)
         };
         // An exited container's pid is reaped and may be reused: never signal it.
         if phase == Phase::Exited {
@@ -730,9 +747,7 @@ impl Svc {
             let sig = Signal::try_from(req.signal).map_err(|_| {
                 Status::invalid_argument(format!("signal {} to every process", req.signal))
             })?;
-            let mut c = self.load(&req.id)?;
-            c.kill(sig, true)
-                .map_err(|e| lc_err(format!("signal container {}", req.id), e))?;
+            self.signal_every_process(&req.id, pid, own_pid_ns, sig)?;
         } else {
             // Raw kill: images may name real-time signals (SIGRTMIN+3) that nix's enum lacks.
             // SAFETY: kill(2) with a pid this monitor reaps and has not reaped yet.
@@ -788,8 +803,12 @@ impl Svc {
             )));
         }
         if phase != Phase::Exited {
-            let mut c = self.load(&req.id)?;
-            let _ = c.kill(Signal::SIGKILL, true);
+            let (pid, own_pid_ns) = {
+                let st = self.state.lock().expect("state");
+                let c = st.containers.get(&req.id).expect("checked");
+                (c.pid, c.own_pid_ns)
+            };
+            let _ = self.signal_every_process(&req.id, pid, own_pid_ns, Signal::SIGKILL);
             // Wait for the reaper to record the exit.
             let rx = {
                 let mut st = self.state.lock().expect("state");
@@ -1113,25 +1132,50 @@ pub(crate) async fn serve(
 
 /// Kills every container and the infra process, and releases the namespaces.
 async fn teardown(state: &Shared) {
-    let (ids, infra_pid, dir, root) = {
+    let (live, ids, infra_pid, dir, root) = {
         let st = state.lock().expect("state");
         (
+            st.containers
+                .iter()
+                .filter(|(_, c)| c.phase != Phase::Exited)
+                .map(|(id, c)| (id.clone(), c.pid, c.own_pid_ns))
+                .collect::<Vec<_>>(),
             st.containers.keys().cloned().collect::<Vec<_>>(),
             st.infra_pid,
             st.opts.dir.clone(),
             st.opts.youki_root(),
         )
     };
-    for id in ids {
-        if let Ok(mut c) = Container::load(root.join(&id)) {
+    for (id, pid, own_pid_ns) in live {
+        if own_pid_ns {
+            let _ = kill_namespace_init(pid);
+        } else if let Ok(mut c) = Container::load(root.join(&id)) {
             let _ = c.kill(Signal::SIGKILL, true);
-            let _ = c.delete(true);
         }
     }
     if let Some(pid) = infra_pid {
         let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
     }
     // Give the reaper a moment so exits get recorded.
+    wait_all_exited(state).await;
+    // After the exits, so that libcontainer finds them stopped (one it sees running it kills
+    // through its cgroup first). What is left in a cgroup (a process of the node's PID
+    // namespace that outlived its init) is killed by the delete's removal of the cgroup.
+    for id in ids {
+        if let Ok(mut c) = Container::load(root.join(&id)) {
+            let _ = c.delete(true);
+        }
+    }
+    // The deletes may have ended processes the wait above did not see.
+    reap(state);
+    if let Some(pid) = infra_pid {
+        let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+    }
+    infra::unpin(&dir);
+}
+
+/// Reaps until every container's init has exited, for at most a second.
+async fn wait_all_exited(state: &Shared) {
     for _ in 0..50 {
         reap(state);
         let all_exited = state
@@ -1145,10 +1189,33 @@ async fn teardown(state: &Shared) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    if let Some(pid) = infra_pid {
-        let _ = nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG));
+}
+
+/// Whether `pid` is PID 1 of the innermost PID namespace it is in (the last `NSpid` field of
+/// its status). A container init that is has a namespace of its own: a pod's shared one has
+/// the pod's init as PID 1, the node's has the node's.
+fn leads_own_pid_ns(pid: nix::unistd::Pid) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("NSpid:"))
+                .map(|v| v.split_whitespace().last() == Some("1"))
+        })
+        .unwrap_or(false)
+}
+
+/// SIGKILL to the init of a container with a PID namespace of its own: when a namespace's
+/// PID 1 dies the kernel kills every other process in it (and in the namespaces below it),
+/// which is every process of the container, exec'd ones included, since they join it. That
+/// is what libcontainer's kill of every process does by freezing and listing the cgroup,
+/// which on cgroup v1 costs a read of the whole mount table per controller and a freeze
+/// and thaw of the cgroup. Its pid is not reaped yet, so it is still the container's.
+fn kill_namespace_init(pid: nix::unistd::Pid) -> nix::Result<()> {
+    match nix::sys::signal::kill(pid, Signal::SIGKILL) {
+        Ok(()) | Err(nix::errno::Errno::ESRCH) => Ok(()),
+        Err(e) => Err(e),
     }
-    infra::unpin(&dir);
 }
 
 #[cfg(test)]
