@@ -31,6 +31,40 @@ fn once(ids: Vec<String>) -> BTreeSet<String> {
     set
 }
 
+/// Pods whose annotations add up to more than a client's default 4 MiB message limit: the
+/// unary list cannot answer that client, the streamed one can, every pod once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streamed_list_of_large_pods_fits_in_a_clients_message_limit() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let mut pods = BTreeSet::new();
+    for i in 0..20 {
+        let mut cfg = pod_config(&format!("annotated-{i}"), logs.path());
+        // Within the 256 KiB Kubernetes allows a pod's annotations.
+        cfg.annotations
+            .insert("example.com/blob".into(), "x".repeat(250 << 10));
+        pods.insert(run_pod(&mut rt, &cfg).await);
+    }
+    let e = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::OutOfRange, "{e:?}");
+    let s = rt
+        .stream_pod_sandboxes(cri::StreamPodSandboxesRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner();
+    let streamed = once(drain(s, |r| r.pod_sandboxes.into_iter().map(|p| p.id).collect()).await);
+    assert_eq!(streamed, pods);
+    for pod in &pods {
+        remove_pod(&mut rt, pod).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn streamed_lists_hold_exactly_what_the_lists_hold() {
     let Some((_reg, h)) = ready().await else {

@@ -2,7 +2,8 @@
 //! RestorePod, ListPodSandboxMetrics and its stream, GetContainerEvents) answer UNIMPLEMENTED
 //! naming the RPC. Exec, Attach and PortForward return URLs on the streaming server
 //! (`crate::streaming`). The Stream* lists (kubelet's CRIListStreaming) send what the List RPC
-//! of the same filter answers, in responses of at most `STREAM_CHUNK` items.
+//! of the same filter answers, in responses of at most `STREAM_CHUNK` items and
+//! `STREAM_CHUNK_BYTES`.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -85,26 +86,52 @@ impl Runtime {
 type EventStream =
     Pin<Box<dyn futures::Stream<Item = Result<cri::ContainerEventResponse, Status>> + Send>>;
 
-/// Items per response of a Stream* list. A container or pod with kubelet's labels and
-/// annotations encodes to well under 4 KiB, so a response stays far below gRPC's 4 MiB default
-/// message limit, which is what the streaming lists exist to avoid.
+/// Items per response of a Stream* list, and bytes of their encodings: a response ends at
+/// whichever comes first. Items carry pod authors' labels and annotations (256 KiB of
+/// annotations per object), so a count alone could make one response exceed a client's
+/// message limit (4 MiB by default in gRPC, 16 MiB in kubelet), which is what the streamed
+/// lists exist to avoid. An item over the byte budget goes alone.
 pub(super) const STREAM_CHUNK: usize = 256;
+pub(super) const STREAM_CHUNK_BYTES: usize = 1 << 20;
 
 pub(super) type ListStream<T> = Pin<Box<dyn futures::Stream<Item = Result<T, Status>> + Send>>;
 
-/// `items` as a stream of responses of at most `STREAM_CHUNK` each, every item in exactly one;
-/// no items, no response (the stream ends at once).
+/// `items` as a stream of responses within `STREAM_CHUNK` items and `STREAM_CHUNK_BYTES`,
+/// every item in exactly one, in order; no items, no response (the stream ends at once).
 pub(super) fn chunked<I, T>(items: Vec<I>, wrap: fn(Vec<I>) -> T) -> Response<ListStream<T>>
 where
-    I: Send + 'static,
+    I: prost::Message + Send + 'static,
     T: Send + 'static,
 {
-    let mut chunks = Vec::with_capacity(items.len().div_ceil(STREAM_CHUNK));
-    let mut items = items.into_iter().peekable();
-    while items.peek().is_some() {
-        chunks.push(Ok(wrap(items.by_ref().take(STREAM_CHUNK).collect())));
-    }
+    let lengths = chunk_lengths(items.iter().map(|i| {
+        // As a repeated field of the response: its tag and length prefix too.
+        let len = i.encoded_len();
+        1 + prost::encoding::encoded_len_varint(len as u64) + len
+    }));
+    let mut items = items.into_iter();
+    let chunks: Vec<Result<T, Status>> = lengths
+        .into_iter()
+        .map(|n| Ok(wrap(items.by_ref().take(n).collect())))
+        .collect();
     Response::new(Box::pin(futures::stream::iter(chunks)))
+}
+
+/// How many of the items, of these encoded sizes in order, each response takes.
+fn chunk_lengths(sizes: impl IntoIterator<Item = usize>) -> Vec<usize> {
+    let mut out = Vec::new();
+    let (mut n, mut bytes) = (0, 0);
+    for size in sizes {
+        if n > 0 && (n == STREAM_CHUNK || bytes + size > STREAM_CHUNK_BYTES) {
+            out.push(n);
+            (n, bytes) = (0, 0);
+        }
+        n += 1;
+        bytes += size;
+    }
+    if n > 0 {
+        out.push(n);
+    }
+    out
 }
 
 #[tonic::async_trait]
@@ -800,8 +827,9 @@ mod tests {
     use super::*;
     use futures::StreamExt;
 
-    #[tokio::test]
-    async fn a_streamed_list_sends_every_item_once_in_bounded_non_empty_responses() {
+    #[test]
+    fn responses_end_at_the_item_count_or_the_byte_budget_whichever_comes_first() {
+        let small = |n: usize| vec![100; n];
         for n in [
             0,
             1,
@@ -810,21 +838,53 @@ mod tests {
             STREAM_CHUNK + 1,
             3 * STREAM_CHUNK + 7,
         ] {
-            let items: Vec<usize> = (0..n).collect();
-            let responses: Vec<Vec<usize>> = chunked(items, |v| v)
-                .into_inner()
-                .map(|r| r.unwrap())
-                .collect()
-                .await;
-            assert_eq!(responses.len(), n.div_ceil(STREAM_CHUNK), "{n} items");
-            assert!(
-                responses
-                    .iter()
-                    .all(|r| !r.is_empty() && r.len() <= STREAM_CHUNK),
-                "{n} items"
-            );
-            let all: Vec<usize> = responses.into_iter().flatten().collect();
-            assert_eq!(all, (0..n).collect::<Vec<_>>());
+            let l = chunk_lengths(small(n));
+            assert_eq!(l.len(), n.div_ceil(STREAM_CHUNK), "{n} items");
+            assert!(l.iter().all(|&c| c > 0 && c <= STREAM_CHUNK), "{n}: {l:?}");
+            assert_eq!(l.iter().sum::<usize>(), n);
         }
+        // 256 KiB items: four to a response of 1 MiB, not 256.
+        let big = 256 << 10;
+        assert_eq!(chunk_lengths(vec![big; 9]), vec![4, 4, 1]);
+        assert_eq!(chunk_lengths(vec![big + 1; 4]), vec![3, 1]);
+        // An item over the budget goes alone, between full responses.
+        let l = chunk_lengths([10, STREAM_CHUNK_BYTES * 2, 10, 10]);
+        assert_eq!(l, vec![1, 1, 2]);
+    }
+
+    #[tokio::test]
+    async fn a_streamed_list_sends_every_item_once_in_order_within_the_budget() {
+        use prost::Message;
+        // Pods with 200 KiB of annotations each, as a pod author may give them.
+        let pods: Vec<cri::PodSandbox> = (0..30)
+            .map(|i| cri::PodSandbox {
+                id: format!("pod-{i}"),
+                annotations: [("big".to_string(), "x".repeat(200 << 10))].into(),
+                ..Default::default()
+            })
+            .collect();
+        let responses: Vec<cri::StreamPodSandboxesResponse> = chunked(pods, |pod_sandboxes| {
+            cri::StreamPodSandboxesResponse { pod_sandboxes }
+        })
+        .into_inner()
+        .map(|r| r.unwrap())
+        .collect()
+        .await;
+        assert!(
+            responses
+                .iter()
+                .all(|r| r.encoded_len() <= STREAM_CHUNK_BYTES && !r.pod_sandboxes.is_empty()),
+            "{:?}",
+            responses
+                .iter()
+                .map(|r| r.encoded_len())
+                .collect::<Vec<_>>()
+        );
+        let ids: Vec<String> = responses
+            .into_iter()
+            .flat_map(|r| r.pod_sandboxes)
+            .map(|p| p.id)
+            .collect();
+        assert_eq!(ids, (0..30).map(|i| format!("pod-{i}")).collect::<Vec<_>>());
     }
 }
