@@ -375,6 +375,97 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
     assert_no_leaks(&h, &pod);
 }
 
+/// What a process cannot carry (a NUL byte in an environment value or an argument, an empty
+/// or `=` name) is refused at create, INVALID_ARGUMENT naming the container or the image and
+/// the variable, whether the pod spec or the image gave it; nothing is left behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn strings_a_process_cannot_carry_are_refused_naming_their_source() {
+    let Some((reg, h)) = ready().await else {
+        return;
+    };
+    let bad_image = |name: &str, conf: ImageConf| {
+        let img = Image::new(
+            vec![Layer::new(
+                &support::oci::busybox_base_tar(),
+                Compression::Gzip,
+                false,
+            )],
+            &conf,
+            false,
+        );
+        let (addr, name) = (reg.addr.clone(), name.to_string());
+        async move {
+            Pusher::new(&addr)
+                .push(&format!("e2e-test-images/{name}"), "1", &img)
+                .await;
+            format!("registry.k8s.io/e2e-test-images/{name}:1")
+        }
+    };
+    let nameless = bad_image(
+        "nameless-env",
+        ImageConf {
+            env: vec!["=x".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    let nul_cmd = bad_image(
+        "nul-cmd",
+        ImageConf {
+            cmd: vec!["sh".into(), "-c".into(), "echo a\0b".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    for image in [&nameless, &nul_cmd] {
+        support::hako::pull(&h, image).await.unwrap();
+    }
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("strings", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let with_env = |key: &str, value: &[u8]| {
+        let mut cc = container_config("env", &["sleep", "60"]);
+        cc.envs = vec![cri::KeyValue {
+            key: key.into(),
+            value: value.to_vec(),
+        }];
+        cc
+    };
+    let from_image = |image: &str| {
+        let mut cc = container_config("imaged", &[]);
+        cc.command.clear();
+        cc.image = Some(cri::ImageSpec {
+            image: image.into(),
+            ..Default::default()
+        });
+        cc
+    };
+    for (cc, want) in [
+        (
+            with_env("TOKEN", b"abc\0def"),
+            "container env: environment variable \"TOKEN\"",
+        ),
+        (with_env("", b"v"), "empty name"),
+        (with_env("A=B", b"v"), "\"A=B\""),
+        (from_image(&nameless), "ENV entry \"\""),
+        (from_image(&nul_cmd), "argument 2 of its command"),
+    ] {
+        let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(want), "want {want:?}: {e:?}");
+        assert!(
+            !e.message().contains("abc"),
+            "a value is never quoted: {e:?}"
+        );
+    }
+    assert!(all_containers(&mut rt).await.is_empty());
+    let id = run_container(&mut rt, &pod, &cfg, with_env("TOKEN", b"abc=def")).await;
+    assert_eq!(exec(&mut rt, &id, "echo $TOKEN").await, "abc=def");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
 /// A container of `pod` with image volumes at `/vol<n>`: `(image, sub path)` each.
 fn with_image_volumes(name: &str, vols: &[(&str, &str)]) -> cri::ContainerConfig {
     let mut cc = container_config(name, &["sleep", "600"]);

@@ -129,7 +129,27 @@ pub fn container_spec(
             req.name
         )));
     }
+    // The process's strings reach execve as C strings, and libcontainer's init sets each
+    // environment entry with set_var, which panics on an empty name or a NUL (and silently
+    // empties an argument with a NUL): refused here, naming where they came from. The
+    // request's own variables were checked with the request.
+    if let Some(i) = args.iter().position(|a| a.contains('\0')) {
+        return Err(Error::InvalidArgument(format!(
+            "container {}: argument {i} of its command contains a NUL byte",
+            req.name
+        )));
+    }
     let mut env: Vec<String> = strings(ic.env());
+    if let Some(e) = env
+        .iter()
+        .find(|e| e.contains('\0') || e.split('=').next().is_none_or(str::is_empty))
+    {
+        let name = e.split('=').next().unwrap_or_default();
+        return Err(Error::InvalidArgument(format!(
+            "image {}: ENV entry {name:?} has an empty name or a NUL byte",
+            req.image
+        )));
+    }
     for (k, v) in &req.envs {
         env.retain(|e| e.split('=').next() != Some(k.as_str()));
         env.push(format!("{k}={v}"));
@@ -148,6 +168,12 @@ pub fn container_spec(
     } else {
         req.working_dir.clone()
     };
+    if cwd.contains('\0') {
+        return Err(Error::InvalidArgument(format!(
+            "container {}: working directory {cwd:?} contains a NUL byte",
+            req.name
+        )));
+    }
     let sec = &req.security;
     let Account { uid, gid, groups } = inputs.account;
     let mut extra = groups;
@@ -715,6 +741,41 @@ mod tests {
                     ])
                 )
             },
+        );
+    }
+
+    #[test]
+    fn nul_bytes_and_nameless_image_env_entries_are_refused_naming_their_source() {
+        let ia = |want: &'static str| {
+            move |e: &Error| {
+                assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+                assert!(e.to_string().contains(want), "{e}");
+            }
+        };
+        refused(
+            |c| c.image["config"]["Env"] = json!(["=x"]),
+            ia("ENV entry \"\" has an empty name"),
+        );
+        refused(
+            |c| c.image["config"]["Env"] = json!(["A=1\u{0}"]),
+            ia("ENV entry \"A\""),
+        );
+        refused(
+            |c| c.image["config"]["Cmd"] = json!(["sh", "-c", "a\u{0}b"]),
+            ia("argument 3 of its command contains a NUL byte"),
+        );
+        refused(
+            |c| c.req.args = vec!["ok".into(), "x\0".into()],
+            ia("argument 2 of its command"),
+        );
+        refused(
+            |c| c.req.working_dir = "/a\0b".into(),
+            ia("working directory"),
+        );
+        // An entry without `=` is a variable with an empty value, as libcontainer sets it.
+        check(
+            |c| c.image["config"]["Env"] = json!(["FLAG"]),
+            |p| assert!(p.spec.env.contains(&"FLAG".to_string()), "{:?}", p.spec.env),
         );
     }
 

@@ -237,16 +237,30 @@ fn resources_cri(r: &Resources) -> cri::LinuxContainerResources {
 
 pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error> {
     let md = c.metadata.unwrap_or_default();
-    // Environment values are bytes in the CRI; an OCI process environment is text.
+    // Environment values are bytes in the CRI; an OCI process environment is text, `NAME=value`
+    // C strings (libcontainer's init sets each with set_var, which panics on an empty name, an
+    // `=` in it or a NUL). The value is never quoted: it may be a secret.
     let envs = c
         .envs
         .into_iter()
-        .map(|kv| match String::from_utf8(kv.value) {
-            Ok(v) => Ok((kv.key, v)),
-            Err(_) => Err(Error::InvalidArgument(format!(
-                "container {}: environment variable {:?} is not valid UTF-8",
-                md.name, kv.key
-            ))),
+        .map(|kv| {
+            let bad = |why: &str| {
+                Err(Error::InvalidArgument(format!(
+                    "container {}: environment variable {:?} {why}",
+                    md.name, kv.key
+                )))
+            };
+            if kv.key.is_empty() {
+                return bad("has an empty name");
+            }
+            if kv.key.contains(['=', '\0']) {
+                return bad("has = or a NUL byte in its name");
+            }
+            match String::from_utf8(kv.value.clone()) {
+                Ok(v) if v.contains('\0') => bad("has a NUL byte in its value"),
+                Ok(v) => Ok((kv.key, v)),
+                Err(_) => bad("is not valid UTF-8"),
+            }
         })
         .collect::<Result<Vec<_>, _>>()?;
     for m in &c.mounts {
@@ -719,6 +733,36 @@ mod tests {
             signal_cri(Some("SIGRTMAX-1")),
             cri::Signal::Sigrtmaxminus1 as i32
         );
+    }
+
+    #[test]
+    fn environment_variables_are_names_and_text_values_without_nul() {
+        let with = |key: &str, value: &[u8]| cri::ContainerConfig {
+            metadata: Some(cri::ContainerMetadata {
+                name: "c".into(),
+                attempt: 0,
+            }),
+            envs: vec![cri::KeyValue {
+                key: key.into(),
+                value: value.to_vec(),
+            }],
+            ..Default::default()
+        };
+        for (key, value, why) in [
+            ("", &b"v"[..], "empty name"),
+            ("A=B", b"v", "= or a NUL byte in its name"),
+            ("A\0", b"v", "= or a NUL byte in its name"),
+            ("SECRET", b"s3cr\0t", "NUL byte in its value"),
+            ("BIN", b"\xff", "not valid UTF-8"),
+        ] {
+            let e = container_req(with(key, value)).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+            let msg = e.to_string();
+            assert!(msg.contains("container c") && msg.contains(why), "{msg}");
+            assert!(!msg.contains("s3cr"), "a value is never quoted: {msg}");
+        }
+        let req = container_req(with("A", b"x=y")).unwrap();
+        assert_eq!(req.envs, vec![("A".to_string(), "x=y".to_string())]);
     }
 
     #[test]
