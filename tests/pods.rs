@@ -856,6 +856,14 @@ async fn stop_uses_the_pod_specs_or_the_images_stop_signal() {
         status(&mut rt, &plain).await.stop_signal,
         cri::Signal::Sigterm as i32
     );
+    // An alias is reported as the pod spec names it (kubelet compares the two).
+    let mut cc = container_config("alias", &["sleep", "60"]);
+    cc.stop_signal = cri::Signal::Sigcld as i32;
+    let alias = run_container(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(
+        status(&mut rt, &alias).await.stop_signal,
+        cri::Signal::Sigcld as i32
+    );
     // A stop signal outside the CRI's enum is refused at create, naming it.
     let mut cc = container_config("nosig", &["sleep", "60"]);
     cc.stop_signal = 4242;
@@ -909,7 +917,11 @@ async fn stop_uses_the_pod_specs_or_the_images_stop_signal() {
         );
     }
     let listed = all_containers(&mut rt).await;
-    assert_eq!(listed.len(), 3, "only trap, int and plain: {listed:?}");
+    assert_eq!(
+        listed.len(),
+        4,
+        "only trap, int, plain and alias: {listed:?}"
+    );
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
