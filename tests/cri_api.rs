@@ -323,6 +323,25 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
     let script = data.path().join("run.sh");
     std::fs::write(&script, "#!/bin/sh\necho ran\n").unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // A mount below the volume (exec, dev and suid allowed): the options hold there too.
+    let sub = data.path().join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        &sub,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .unwrap();
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    let _unmount = Unmount(sub.clone());
+    std::fs::copy(&script, sub.join("run.sh")).unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("mountopts", logs.path());
     let pod = run_pod(&mut rt, &cfg).await;
@@ -344,6 +363,7 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
 
     let plain = run_container(&mut rt, &pod, &cfg, with("plain", &[])).await;
     assert_eq!(exec(&mut rt, &plain, "/data/run.sh").await, "ran");
+    assert_eq!(exec(&mut rt, &plain, "/data/sub/run.sh").await, "ran");
     let f = flags(exec(&mut rt, &plain, "grep ' /data ' /proc/self/mountinfo").await);
     assert!(!f.contains("noexec") && !f.contains("nodev"), "{f:?}");
 
@@ -356,9 +376,19 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
     .await;
     let out = exec(&mut rt, &strict, "/data/run.sh 2>&1; echo rc=$?").await;
     assert!(out.ends_with("rc=126"), "noexec did not hold: {out}");
-    let f = flags(exec(&mut rt, &strict, "grep ' /data ' /proc/self/mountinfo").await);
-    for want in ["noexec", "nodev", "nosuid"] {
-        assert!(f.contains(want), "{want} missing from {f:?}");
+    let out = exec(&mut rt, &strict, "/data/sub/run.sh 2>&1; echo rc=$?").await;
+    assert!(out.ends_with("rc=126"), "noexec did not hold below: {out}");
+    for at in ["/data", "/data/sub"] {
+        let line = exec(
+            &mut rt,
+            &strict,
+            &format!("grep ' {at} ' /proc/self/mountinfo"),
+        )
+        .await;
+        let f = flags(line);
+        for want in ["noexec", "nodev", "nosuid"] {
+            assert!(f.contains(want), "{want} missing at {at}: {f:?}");
+        }
     }
 
     // An option that would give something the volume does not have is refused, naming it.

@@ -408,7 +408,18 @@ fn user_mounts(s: &ContainerSpec) -> Vec<oci::Mount> {
             if mt.recursive_readonly {
                 opts.push("rro");
             }
-            opts.extend(mt.options.iter().map(String::as_str));
+            // The restrictions asked for hold below the volume too (a mount under a host path
+            // would otherwise keep its exec, dev and suid): their recursive forms, which
+            // libcontainer applies with mount_setattr to the whole tree. `ro` stays what
+            // Kubernetes' readOnly is, the top mount only (recursive_readonly is the other).
+            opts.extend(mt.options.iter().map(|o| match o.as_str() {
+                "noexec" => "rnoexec",
+                "nodev" => "rnodev",
+                "nosuid" => "rnosuid",
+                "noatime" => "rnoatime",
+                "nodiratime" => "rnodiratime",
+                other => other,
+            }));
             mount(&mt.destination, "bind", &mt.source, &opts)
         })
         .collect()
