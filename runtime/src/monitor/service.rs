@@ -1132,12 +1132,15 @@ pub(crate) async fn serve(
 
 /// Kills every container and the infra process, and releases the namespaces.
 async fn teardown(state: &Shared) {
-    let (live, ids, infra_pid, dir, root) = {
+    let (to_kill, ids, infra_pid, dir, root) = {
         let st = state.lock().expect("state");
         (
+            // An exited container with a PID namespace of its own has nothing left (its
+            // namespace died with its init); one sharing the pod's or the node's may have
+            // left processes behind in its cgroup.
             st.containers
                 .iter()
-                .filter(|(_, c)| c.phase != Phase::Exited)
+                .filter(|(_, c)| !(c.own_pid_ns && c.phase == Phase::Exited))
                 .map(|(id, c)| (id.clone(), c.pid, c.own_pid_ns))
                 .collect::<Vec<_>>(),
             st.containers.keys().cloned().collect::<Vec<_>>(),
@@ -1146,7 +1149,7 @@ async fn teardown(state: &Shared) {
             st.opts.youki_root(),
         )
     };
-    for (id, pid, own_pid_ns) in live {
+    for (id, pid, own_pid_ns) in to_kill {
         if own_pid_ns {
             let _ = kill_namespace_init(pid);
         } else if let Ok(mut c) = Container::load(root.join(&id)) {
