@@ -427,6 +427,32 @@ async fn stats_report_real_cpu_memory_and_writable_layer_usage() {
         .unwrap();
     let linux = ps.linux.as_ref().unwrap();
     assert_eq!(linux.containers.len(), 1);
+    // Pressure (KubeletPSI): read from the cgroup's pressure files on cgroup v2, for the
+    // container and the pod; cgroup v1 has none, and none are made up.
+    let v2 = std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    let pressures = |cpu: &Option<cri::CpuUsage>,
+                     memory: &Option<cri::MemoryUsage>,
+                     io: &Option<cri::IoUsage>| {
+        [
+            cpu.as_ref().unwrap().psi.is_some(),
+            memory.as_ref().unwrap().psi.is_some(),
+            io.as_ref().is_some_and(|io| io.psi.is_some()),
+        ]
+    };
+    assert_eq!(
+        pressures(&s2.cpu, &s2.memory, &s2.io),
+        [v2; 3],
+        "container pressure on cgroup v2 = {v2}: {s2:?}"
+    );
+    assert_eq!(
+        pressures(&linux.cpu, &linux.memory, &linux.io),
+        [v2; 3],
+        "pod pressure on cgroup v2 = {v2}"
+    );
+    if v2 {
+        let some = s2.cpu.as_ref().unwrap().psi.unwrap().some.unwrap();
+        assert!(some.avg10 >= 0.0 && some.avg300 <= 100.0, "{some:?}");
+    }
     assert!(
         linux
             .cpu

@@ -28,6 +28,63 @@ pub struct Sample {
     pub pids: u64,
     /// The cgroup's memory limit; None when unlimited (or the memory controller is absent).
     pub memory_limit: Option<u64>,
+    /// Pressure stall information of the cgroup's CPU, memory and IO (`*.pressure`): cgroup v2
+    /// only, and None where the kernel keeps none (v1, or PSI off).
+    pub cpu_psi: Option<Psi>,
+    pub memory_psi: Option<Psi>,
+    pub io_psi: Option<Psi>,
+}
+
+/// A cgroup's `<resource>.pressure`: the share of time some or all of its tasks stalled.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Psi {
+    pub some: PsiLine,
+    pub full: PsiLine,
+}
+
+/// One line of a pressure file: averages in percent over 10, 60 and 300 s, and the total
+/// stall time (the file's microseconds, in nanoseconds here as the CRI counts it).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PsiLine {
+    pub avg10: f64,
+    pub avg60: f64,
+    pub avg300: f64,
+    pub total_ns: u64,
+}
+
+/// Parses a pressure file (`some avg10=0.00 avg60=0.00 avg300=0.00 total=0`, then `full`);
+/// None when it has neither line or a field does not parse.
+fn parse_psi(text: &str) -> Option<Psi> {
+    let mut psi = Psi::default();
+    let mut seen = false;
+    for line in text.lines() {
+        let mut fields = line.split_whitespace();
+        let to = match fields.next() {
+            Some("some") => &mut psi.some,
+            Some("full") => &mut psi.full,
+            _ => continue,
+        };
+        for kv in fields {
+            let (k, v) = kv.split_once('=')?;
+            match k {
+                "avg10" => to.avg10 = v.parse().ok()?,
+                "avg60" => to.avg60 = v.parse().ok()?,
+                "avg300" => to.avg300 = v.parse().ok()?,
+                "total" => to.total_ns = v.parse::<u64>().ok()?.saturating_mul(1000),
+                _ => {}
+            }
+        }
+        seen = true;
+    }
+    seen.then_some(psi)
+}
+
+/// The pressure file `name` in `dir`; None when it cannot be read (absent, or PSI disabled,
+/// where the kernel refuses the read): a reading without pressure, not a failed one.
+fn read_psi(dir: &Path, name: &str) -> Option<Psi> {
+    std::fs::read_to_string(dir.join(name))
+        .ok()
+        .and_then(|t| parse_psi(&t))
 }
 
 /// v1 writes "no limit" as the largest page multiple (`9223372036854771712` with 4 KiB
@@ -166,9 +223,11 @@ pub fn sample(cgroups_path: &str) -> Result<Sample> {
 /// what is enabled; a cgroup that is not there at all is an error.
 fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
     let rel = cgroups_path.trim_start_matches('/');
+    let mut psi = [None; 3];
     let (cpu_usage_ns, usage, stat, pids, memory_limit) = match layout {
         Layout::V2(root) => {
             let dir = root.join(rel);
+            psi = ["cpu.pressure", "memory.pressure", "io.pressure"].map(|f| read_psi(&dir, f));
             // cpu.stat's usage_usec is there whether or not the cpu controller is enabled.
             let cpu = std::fs::read_to_string(dir.join("cpu.stat"))?;
             let usec = stat_value(&cpu, "usage_usec").unwrap_or(0);
@@ -229,6 +288,9 @@ fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
         major_page_faults: get("total_pgmajfault", "pgmajfault"),
         pids,
         memory_limit,
+        cpu_psi: psi[0],
+        memory_psi: psi[1],
+        io_psi: psi[2],
     })
 }
 
@@ -349,6 +411,20 @@ mod tests {
         assert_eq!(m["pids"], Path::new("/sys/fs/cgroup/my pids"));
     }
 
+    #[test]
+    fn pressure_files_parse_into_percent_averages_and_nanosecond_totals() {
+        let p = parse_psi("some avg10=12.34 avg60=1.00 avg300=0.01 total=5\n").unwrap();
+        assert_eq!(
+            (p.some.avg10, p.some.avg60, p.some.avg300, p.some.total_ns),
+            (12.34, 1.0, 0.01, 5000)
+        );
+        // A file with only the `some` line (a root cgroup's cpu.pressure on older kernels).
+        assert_eq!(p.full, PsiLine::default());
+        for bad in ["", "nonsense\n", "some avg10=x total=1\n", "some avg10\n"] {
+            assert_eq!(parse_psi(bad), None, "{bad:?}");
+        }
+    }
+
     fn write(dir: &Path, files: &[(&str, &str)]) {
         std::fs::create_dir_all(dir).unwrap();
         for (name, text) in files {
@@ -394,6 +470,7 @@ mod tests {
                 major_page_faults: 5,
                 pids: 3,
                 memory_limit: Some(83886080),
+                ..Default::default()
             }
         );
         // No limit: v1 writes its largest value.
@@ -417,9 +494,23 @@ mod tests {
                     "anon 900\nfile 1000\ninactive_file 600\npgfault 9\npgmajfault 1\n",
                 ),
                 ("pids.current", "2\n"),
+                (
+                    "cpu.pressure",
+                    "some avg10=1.50 avg60=0.25 avg300=0.05 total=1234\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=7\n",
+                ),
+                (
+                    "memory.pressure",
+                    "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n",
+                ),
             ],
         );
         let s = read_sample(&Layout::V2(v2.path().to_path_buf()), c).unwrap();
+        let line = |avg10, avg60, avg300, total_ns| PsiLine {
+            avg10,
+            avg60,
+            avg300,
+            total_ns,
+        };
         assert_eq!(
             s,
             Sample {
@@ -431,6 +522,13 @@ mod tests {
                 major_page_faults: 1,
                 pids: 2,
                 memory_limit: None,
+                cpu_psi: Some(Psi {
+                    some: line(1.5, 0.25, 0.05, 1_234_000),
+                    full: line(0.0, 0.0, 0.0, 7_000),
+                }),
+                memory_psi: Some(Psi::default()),
+                // No io.pressure (PSI off, or an older kernel): none, not an error.
+                io_psi: None,
             }
         );
         write(&v2.path().join(c), &[("memory.max", "4096\n")]);

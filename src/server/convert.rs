@@ -558,6 +558,29 @@ fn u64v(v: u64) -> Option<cri::UInt64Value> {
     Some(cri::UInt64Value { value: v })
 }
 
+/// A cgroup's pressure figures as the CRI carries them (kubelet's KubeletPSI, GA in 1.36).
+fn psi(p: Option<hako_runtime::stats::Psi>) -> Option<cri::PsiStats> {
+    let data = |l: hako_runtime::stats::PsiLine| cri::PsiData {
+        total: l.total_ns,
+        avg10: l.avg10,
+        avg60: l.avg60,
+        avg300: l.avg300,
+    };
+    p.map(|p| cri::PsiStats {
+        full: Some(data(p.full)),
+        some: Some(data(p.some)),
+    })
+}
+
+/// IO usage: only its pressure is read, so none without it (cgroup v1).
+fn io_usage(u: &crate::pods::Usage) -> Option<cri::IoUsage> {
+    let p = u.sample.and_then(|s| s.io_psi)?;
+    Some(cri::IoUsage {
+        timestamp: u.timestamp,
+        psi: psi(Some(p)),
+    })
+}
+
 fn cpu_memory(u: &crate::pods::Usage) -> (Option<cri::CpuUsage>, Option<cri::MemoryUsage>) {
     let Some(s) = u.sample else {
         return (
@@ -576,8 +599,7 @@ fn cpu_memory(u: &crate::pods::Usage) -> (Option<cri::CpuUsage>, Option<cri::Mem
             timestamp: u.timestamp,
             usage_core_nano_seconds: u64v(s.cpu_usage_ns),
             usage_nano_cores: u.nano_cores.and_then(u64v),
-            // No pressure figures: cgroup v1 has none, and none are read on v2 yet.
-            psi: None,
+            psi: psi(s.cpu_psi),
         }),
         Some(cri::MemoryUsage {
             timestamp: u.timestamp,
@@ -590,7 +612,7 @@ fn cpu_memory(u: &crate::pods::Usage) -> (Option<cri::CpuUsage>, Option<cri::Mem
             rss_bytes: u64v(s.rss),
             page_faults: u64v(s.page_faults),
             major_page_faults: u64v(s.major_page_faults),
-            psi: None,
+            psi: psi(s.memory_psi),
         }),
     )
 }
@@ -615,7 +637,7 @@ pub fn container_stats(v: &ContainerView, u: &crate::pods::Usage) -> cri::Contai
             inodes_used: u64v(u.writable_inodes),
         }),
         swap: None,
-        io: None,
+        io: io_usage(u),
     }
 }
 
@@ -642,7 +664,7 @@ pub fn pod_stats(
                 process_count: u64v(s.pids),
             }),
             containers,
-            io: None,
+            io: io_usage(u),
         }),
         windows: None,
     }
@@ -691,6 +713,56 @@ mod tests {
         assert_eq!((d.name.as_str(), d.rx_bytes.unwrap().value), ("eth0", 9));
         assert_eq!(u.interfaces.len(), 2);
         assert_eq!(u.timestamp, 7);
+    }
+
+    #[test]
+    fn pressure_reaches_cpu_memory_and_io_only_where_the_cgroup_has_it() {
+        use hako_runtime::stats::{Psi, PsiLine, Sample};
+        let usage = |sample: Sample| crate::pods::Usage {
+            timestamp: 5,
+            sample: Some(sample),
+            nano_cores: None,
+            writable_bytes: 0,
+            writable_inodes: 0,
+            writable_mountpoint: Default::default(),
+        };
+        let p = Psi {
+            some: PsiLine {
+                avg10: 1.5,
+                avg60: 0.5,
+                avg300: 0.1,
+                total_ns: 3000,
+            },
+            full: PsiLine {
+                total_ns: 1000,
+                ..Default::default()
+            },
+        };
+        let u = usage(Sample {
+            cpu_psi: Some(p),
+            memory_psi: Some(Psi::default()),
+            io_psi: Some(p),
+            ..Default::default()
+        });
+        let (cpu, memory) = cpu_memory(&u);
+        let cpu = cpu.unwrap().psi.unwrap();
+        let some = cpu.some.unwrap();
+        assert_eq!(
+            (some.total, some.avg10, some.avg60, some.avg300),
+            (3000, 1.5, 0.5, 0.1)
+        );
+        assert_eq!(cpu.full.unwrap().total, 1000);
+        assert_eq!(memory.unwrap().psi.unwrap().some.unwrap().total, 0);
+        let io = io_usage(&u).unwrap();
+        assert_eq!(
+            (io.timestamp, io.psi.unwrap().some.unwrap().total),
+            (5, 3000)
+        );
+        // cgroup v1: no pressure files, no figures and no IO usage.
+        let v1 = usage(Sample::default());
+        let (cpu, memory) = cpu_memory(&v1);
+        assert!(cpu.unwrap().psi.is_none() && memory.unwrap().psi.is_none());
+        assert!(io_usage(&v1).is_none());
     }
 
     #[test]
