@@ -492,6 +492,49 @@ async fn strings_a_process_cannot_carry_are_refused_naming_their_source() {
     assert!(all_containers(&mut rt).await.is_empty());
     let id = run_container(&mut rt, &pod, &cfg, with_env("TOKEN", b"abc=def")).await;
     assert_eq!(exec(&mut rt, &id, "echo $TOKEN").await, "abc=def");
+    // An exec (a probe) with a NUL in an argument is refused, not run with that argument
+    // emptied: `sh -c "exit 3\0"` would have been `sh -c ""`, exit 0.
+    let e = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: id.clone(),
+            cmd: vec!["sh".into(), "-c".into(), "exit 3\0".into()],
+            timeout: 10,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains(&id) && e.message().contains("argument 2"),
+        "{e:?}"
+    );
+    // A pod hostname the kernel or /etc/hosts cannot carry is refused before anything is made.
+    for hostname in ["two\nlines", "nul\0", &"h".repeat(65)] {
+        let mut bad = pod_config("badhost", logs.path());
+        bad.hostname = hostname.to_string();
+        let e = rt
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(bad),
+                runtime_handler: String::new(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.code(),
+            tonic::Code::InvalidArgument,
+            "{hostname:?}: {e:?}"
+        );
+        assert!(
+            e.message().contains("badhost") && e.message().contains("hostname"),
+            "{e:?}"
+        );
+    }
+    let pods = rt
+        .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .items;
+    assert_eq!(pods.len(), 1, "only the good pod: {pods:?}");
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

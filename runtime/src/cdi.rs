@@ -552,7 +552,8 @@ fn edits_need(e: &Edits, at: &str) -> Option<(usize, String)> {
 }
 
 fn env_ok(v: &str) -> bool {
-    v.find('=').is_some_and(|i| i > 0)
+    // A NUL would make the container's init panic setting it.
+    v.find('=').is_some_and(|i| i > 0) && !v.contains('\0')
 }
 
 fn check_edits(e: &Edits, at: &str) -> Result<(), Bad> {
@@ -1753,6 +1754,10 @@ mod tests {
         );
         bad(
             r#"{"cdiVersion":"0.6.0","kind":"a.com/b","devices":[{"name":"d","containerEdits":{"env":["NOEQUALS"]}}]}"#,
+            "NAME=value",
+        );
+        bad(
+            r#"{"cdiVersion":"0.6.0","kind":"a.com/b","devices":[{"name":"d","containerEdits":{"env":["A=1\u0000"]}}]}"#,
             "NAME=value",
         );
         bad(

@@ -410,14 +410,16 @@ fn user_mounts(s: &ContainerSpec) -> Vec<oci::Mount> {
             }
             // The restrictions asked for hold below the volume too (a mount under a host path
             // would otherwise keep its exec, dev and suid): their recursive forms, which
-            // libcontainer applies with mount_setattr to the whole tree. `ro` stays what
-            // Kubernetes' readOnly is, the top mount only (recursive_readonly is the other).
+            // libcontainer applies with mount_setattr to the tree as it is at create (mounts
+            // propagated in later keep their own flags). The atime options stay on the top
+            // mount: changing the atime mode of a submount whose mode is locked (one
+            // inherited into a user namespace) fails the whole call with EPERM. `ro` stays
+            // what Kubernetes' readOnly is, the top mount only (recursive_readonly is the
+            // other).
             opts.extend(mt.options.iter().map(|o| match o.as_str() {
                 "noexec" => "rnoexec",
                 "nodev" => "rnodev",
                 "nosuid" => "rnosuid",
-                "noatime" => "rnoatime",
-                "nodiratime" => "rnodiratime",
                 other => other,
             }));
             mount(&mt.destination, "bind", &mt.source, &opts)
@@ -934,6 +936,39 @@ mod tests {
                 assert!(
                     s.hostname().is_none(),
                     "no hostname in the host's UTS namespace"
+                );
+            },
+        );
+    }
+
+    #[test]
+    fn mount_restrictions_reach_submounts_and_atime_stays_on_the_top_mount() {
+        check(
+            |s| {
+                s.mounts.push(Mount {
+                    destination: "/data".into(),
+                    source: "/srv".into(),
+                    readonly: true,
+                    propagation: String::new(),
+                    recursive_readonly: false,
+                    options: strings(&["noexec", "nodev", "nosuid", "noatime", "nodiratime"]),
+                });
+            },
+            |s| {
+                assert_eq!(
+                    mount_at(s, "/data")[0].options().as_deref(),
+                    Some(
+                        &strings(&[
+                            "rbind",
+                            "rprivate",
+                            "ro",
+                            "rnoexec",
+                            "rnodev",
+                            "rnosuid",
+                            "noatime",
+                            "nodiratime"
+                        ])[..]
+                    )
                 );
             },
         );

@@ -64,8 +64,9 @@ fn parse_psi(text: &str) -> Option<Psi> {
             Some("full") => &mut psi.full,
             _ => continue,
         };
-        for kv in fields {
-            let (k, v) = kv.split_once('=')?;
+        // A field this does not know (a later kernel's) is skipped, not a reason to drop
+        // the file; one it knows must parse.
+        for (k, v) in fields.filter_map(|kv| kv.split_once('=')) {
             match k {
                 "avg10" => to.avg10 = v.parse().ok()?,
                 "avg60" => to.avg60 = v.parse().ok()?,
@@ -420,9 +421,17 @@ mod tests {
         );
         // A file with only the `some` line (a root cgroup's cpu.pressure on older kernels).
         assert_eq!(p.full, PsiLine::default());
-        for bad in ["", "nonsense\n", "some avg10=x total=1\n", "some avg10\n"] {
+        for bad in [
+            "",
+            "nonsense\n",
+            "some avg10=x total=1\n",
+            "some total=-1\n",
+        ] {
             assert_eq!(parse_psi(bad), None, "{bad:?}");
         }
+        // A field a later kernel might add, with or without a value, is skipped.
+        let p = parse_psi("some avg10=1.00 flag stalls=3 total=2\n").unwrap();
+        assert_eq!((p.some.avg10, p.some.total_ns), (1.0, 2000));
     }
 
     fn write(dir: &Path, files: &[(&str, &str)]) {

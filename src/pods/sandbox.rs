@@ -82,6 +82,19 @@ impl Runtime {
                 "pod sandbox metadata needs name, uid and namespace".into(),
             ));
         }
+        // The kernel takes at most 64 bytes (sethostname), and the name is written into the
+        // pod's /etc/hosts and its containers' HOSTNAME: no NUL, no line break, no blank.
+        if spec.hostname.len() > 64
+            || spec
+                .hostname
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace())
+        {
+            return Err(Error::InvalidArgument(format!(
+                "pod sandbox {}/{}: hostname {:?} is longer than 64 bytes or has a control or blank character",
+                spec.namespace, spec.name, spec.hostname
+            )));
+        }
         if !spec.cgroup_parent.is_empty() {
             confined_cgroup_path(&spec.cgroup_parent).map_err(|why| {
                 Error::InvalidArgument(format!(

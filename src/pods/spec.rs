@@ -140,6 +140,12 @@ pub fn container_spec(
         )));
     }
     let mut env: Vec<String> = strings(ic.env());
+    for (k, v) in &req.envs {
+        env.retain(|e| e.split('=').next() != Some(k.as_str()));
+        env.push(format!("{k}={v}"));
+    }
+    // What is left of the image's (the request's own were checked with the request, and
+    // a variable the pod sets replaces the image's of that name).
     if let Some(e) = env
         .iter()
         .find(|e| e.contains('\0') || e.split('=').next().is_none_or(str::is_empty))
@@ -149,10 +155,6 @@ pub fn container_spec(
             "image {}: ENV entry {name:?} has an empty name or a NUL byte",
             req.image
         )));
-    }
-    for (k, v) in &req.envs {
-        env.retain(|e| e.split('=').next() != Some(k.as_str()));
-        env.push(format!("{k}={v}"));
     }
     if !env.iter().any(|e| e.starts_with("PATH=")) {
         env.insert(
@@ -771,6 +773,20 @@ mod tests {
         refused(
             |c| c.req.working_dir = "/a\0b".into(),
             ia("working directory"),
+        );
+        // An image entry the pod's own variable replaces is not checked.
+        check(
+            |c| {
+                c.image["config"]["Env"] = json!(["A=bad\u{0}"]);
+                c.req.envs = vec![("A".into(), "good".into())];
+            },
+            |p| {
+                assert!(
+                    p.spec.env.contains(&"A=good".to_string()),
+                    "{:?}",
+                    p.spec.env
+                )
+            },
         );
         // An entry without `=` is a variable with an empty value, as libcontainer sets it.
         check(

@@ -373,7 +373,16 @@ pub(super) fn plan_exec(
         )));
     }
     if cmd.is_empty() {
-        return Err(Status::invalid_argument("exec command is empty"));
+        return Err(Status::invalid_argument(format!(
+            "container {id}: exec command is empty"
+        )));
+    }
+    // execve takes C strings, and libcontainer turns an argument with a NUL into an empty
+    // one: `sh -c "test -f /ready\0"` would run `sh -c ""` and pass a probe.
+    if let Some(i) = cmd.iter().position(|a| a.contains('\0')) {
+        return Err(Status::invalid_argument(format!(
+            "container {id}: argument {i} of the exec command contains a NUL byte"
+        )));
     }
     let spec: serde_json::Value = serde_json::from_slice(
         &std::fs::read(bundle.join("config.json")).map_err(|e| err("read config.json", e))?,
