@@ -847,9 +847,10 @@ mod tests {
         let big = 256 << 10;
         assert_eq!(chunk_lengths(vec![big; 9]), vec![4, 4, 1]);
         assert_eq!(chunk_lengths(vec![big + 1; 4]), vec![3, 1]);
-        // An item over the budget goes alone, between full responses.
+        // An item over the budget goes alone, between full responses, and first too.
         let l = chunk_lengths([10, STREAM_CHUNK_BYTES * 2, 10, 10]);
         assert_eq!(l, vec![1, 1, 2]);
+        assert_eq!(chunk_lengths([STREAM_CHUNK_BYTES * 2, 10]), vec![1, 1]);
     }
 
     #[tokio::test]
@@ -880,11 +881,47 @@ mod tests {
                 .map(|r| r.encoded_len())
                 .collect::<Vec<_>>()
         );
+        // Five of these to a response (5 × 200 KiB and their framing fit in 1 MiB, six do not).
+        assert_eq!(responses.len(), 6);
         let ids: Vec<String> = responses
             .into_iter()
             .flat_map(|r| r.pod_sandboxes)
             .map(|p| p.id)
             .collect();
         assert_eq!(ids, (0..30).map(|i| format!("pod-{i}")).collect::<Vec<_>>());
+
+        // At the byte: four pods whose response, framing counted, is 4 bytes over the
+        // budget (one each) are split three and one; each response stays within it.
+        let pod = |n: usize| cri::PodSandbox {
+            id: "p".into(),
+            annotations: [("a".to_string(), "x".repeat(n))].into(),
+            ..Default::default()
+        };
+        let framed = |p: &cri::PodSandbox| {
+            let len = p.encoded_len();
+            1 + prost::encoding::encoded_len_varint(len as u64) + len
+        };
+        let n = (1..STREAM_CHUNK_BYTES / 4)
+            .rev()
+            .find(|&n| 4 * framed(&pod(n)) <= STREAM_CHUNK_BYTES + 4)
+            .unwrap();
+        assert_eq!(
+            4 * framed(&pod(n)),
+            STREAM_CHUNK_BYTES + 4,
+            "sizes step by one byte"
+        );
+        let responses: Vec<cri::StreamPodSandboxesResponse> =
+            chunked(vec![pod(n); 4], |pod_sandboxes| {
+                cri::StreamPodSandboxesResponse { pod_sandboxes }
+            })
+            .into_inner()
+            .map(|r| r.unwrap())
+            .collect()
+            .await;
+        let sizes: Vec<usize> = responses.iter().map(|r| r.pod_sandboxes.len()).collect();
+        assert_eq!(sizes, vec![3, 1]);
+        assert!(responses
+            .iter()
+            .all(|r| r.encoded_len() <= STREAM_CHUNK_BYTES));
     }
 }
