@@ -426,27 +426,6 @@ impl Svc {
         self.state.lock().expect("state").opts.container_dir(id)
     }
 
-    /// Sends `sig` to every process of container `id` (init `pid`, not reaped yet).
-    fn signal_every_process(
-        &self,
-        id: &str,
-        pid: nix::unistd::Pid,
-        own_pid_ns: bool,
-        sig: Signal,
-    ) -> Result<(), Status> {
-        if sig == Signal::SIGKILL && own_pid_ns {
-            return kill_namespace_init(pid).map_err(|e| err(format!("signal container {id}"), e));
-        }
-        let mut c = self.load(id)?;
-        c.kill(sig, true)
-            .map_err(|e| lc_err(format!("signal container {id}"), e))
-    }
-
-    fn load(&self, id: &str) -> Result<Container, Status> {
-        Container::load(self.youki_root().join(id))
-            .map_err(|e| lc_err(format!("load container {id}"), e))
-    }
-
     fn state_of(&self, id: &str) -> Result<pb::ContainerState, Status> {
         let st = self.state.lock().expect("state");
         let c = st
@@ -747,7 +726,7 @@ impl Svc {
             let sig = Signal::try_from(req.signal).map_err(|_| {
                 Status::invalid_argument(format!("signal {} to every process", req.signal))
             })?;
-            self.signal_every_process(&req.id, pid, own_pid_ns, sig)?;
+            signal_every_process(&self.youki_root(), &req.id, pid, own_pid_ns, sig)?;
         } else {
             // Raw kill: images may name real-time signals (SIGRTMIN+3) that nix's enum lacks.
             // SAFETY: kill(2) with a pid this monitor reaps and has not reaped yet.
@@ -789,10 +768,10 @@ impl Svc {
     }
 
     async fn delete(&self, req: pb::DeleteRequest) -> Result<pb::Empty, Status> {
-        let phase = {
+        let (phase, pid, own_pid_ns) = {
             let st = self.state.lock().expect("state");
             match st.containers.get(&req.id) {
-                Some(c) => c.phase,
+                Some(c) => (c.phase, c.pid, c.own_pid_ns),
                 None => return Ok(pb::Empty {}),
             }
         };
@@ -803,12 +782,8 @@ impl Svc {
             )));
         }
         if phase != Phase::Exited {
-            let (pid, own_pid_ns) = {
-                let st = self.state.lock().expect("state");
-                let c = st.containers.get(&req.id).expect("checked");
-                (c.pid, c.own_pid_ns)
-            };
-            let _ = self.signal_every_process(&req.id, pid, own_pid_ns, Signal::SIGKILL);
+            let root = self.youki_root();
+            let _ = signal_every_process(&root, &req.id, pid, own_pid_ns, Signal::SIGKILL);
             // Wait for the reaper to record the exit.
             let rx = {
                 let mut st = self.state.lock().expect("state");
@@ -1150,11 +1125,7 @@ async fn teardown(state: &Shared) {
         )
     };
     for (id, pid, own_pid_ns) in to_kill {
-        if own_pid_ns {
-            let _ = kill_namespace_init(pid);
-        } else if let Ok(mut c) = Container::load(root.join(&id)) {
-            let _ = c.kill(Signal::SIGKILL, true);
-        }
+        let _ = signal_every_process(&root, &id, pid, own_pid_ns, Signal::SIGKILL);
     }
     if let Some(pid) = infra_pid {
         let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
@@ -1206,6 +1177,25 @@ fn leads_own_pid_ns(pid: nix::unistd::Pid) -> bool {
                 .map(|v| v.split_whitespace().last() == Some("1"))
         })
         .unwrap_or(false)
+}
+
+/// Sends `sig` to every process of container `id` (init `pid`, not reaped yet; its
+/// libcontainer state under `root`): a SIGKILL to a container with a PID namespace of its own
+/// goes to its init (`kill_namespace_init`), anything else through libcontainer's cgroup kill.
+fn signal_every_process(
+    root: &std::path::Path,
+    id: &str,
+    pid: nix::unistd::Pid,
+    own_pid_ns: bool,
+    sig: Signal,
+) -> Result<(), Status> {
+    if sig == Signal::SIGKILL && own_pid_ns {
+        return kill_namespace_init(pid).map_err(|e| err(format!("signal container {id}"), e));
+    }
+    let mut c =
+        Container::load(root.join(id)).map_err(|e| lc_err(format!("load container {id}"), e))?;
+    c.kill(sig, true)
+        .map_err(|e| lc_err(format!("signal container {id}"), e))
 }
 
 /// SIGKILL to the init of a container with a PID namespace of its own: when a namespace's
