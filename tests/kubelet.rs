@@ -273,6 +273,25 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
     (code == "200").then(|| body.to_string())
 }
 
+/// The values of the series `name` in a Prometheus text exposition whose labels include
+/// `labels` (exactly these values).
+fn prom_values(text: &str, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, rest) = l.split_once('}')?;
+            let (n, label_text) = series.split_once('{')?;
+            if n != name {
+                return None;
+            }
+            let matches = labels
+                .iter()
+                .all(|(k, v)| label_text.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+            matches.then(|| rest.split_whitespace().next()?.parse().ok())?
+        })
+        .collect()
+}
+
 /// kubelet's status of container `name` (app, init or sidecar) in pod `p`.
 fn container_status<'a>(p: &'a Value, name: &str) -> Option<&'a Value> {
     ["containerStatuses", "initContainerStatuses"]
@@ -870,6 +889,51 @@ async fn kubelet_runs_static_pods_on_hako() {
     assert!(
         summary_rx <= hako_rx && hako_rx <= ns_rx && summary_tx <= hako_tx && hako_tx <= ns_tx,
         "rx/tx: summary {summary_rx}/{summary_tx}, hako {hako_rx}/{hako_tx}, netns {ns_rx}/{ns_tx}"
+    );
+
+    // /metrics/cadvisor, which kubelet fills from hako's ListPodSandboxMetrics under
+    // PodAndContainerStatsFromCRI: series named and labelled as cAdvisor's, with the limits
+    // of the manifest and the pod's traffic.
+    let pod_name = format!("web-{NODE}");
+    let web_labels = [
+        ("container", "web"),
+        ("namespace", "default"),
+        ("pod", pod_name.as_str()),
+    ];
+    let mut scrape = String::new();
+    support::wait_for(
+        "kubelet's /metrics/cadvisor to hold the web container",
+        REACT,
+        || {
+            scrape = http_get(
+                &format!("{}:{}", k.node_ip, k.read_only_port),
+                "/metrics/cadvisor",
+            )
+            .unwrap_or_default();
+            !prom_values(&scrape, "container_memory_working_set_bytes", &web_labels).is_empty()
+        },
+    )
+    .await;
+    let one = |name: &str, labels: &[(&str, &str)]| {
+        let v = prom_values(&scrape, name, labels);
+        assert_eq!(v.len(), 1, "{name} {labels:?} in /metrics/cadvisor: {v:?}");
+        v[0]
+    };
+    assert_eq!(
+        one("container_spec_memory_limit_bytes", &web_labels),
+        (64u64 << 20) as f64
+    );
+    assert_eq!(one("container_spec_cpu_quota", &web_labels), 20000.0);
+    assert!(one("container_memory_working_set_bytes", &web_labels) > 0.0);
+    let pod_eth0 = [
+        ("container", ""),
+        ("interface", "eth0"),
+        ("pod", pod_name.as_str()),
+    ];
+    let metrics_rx = one("container_network_receive_bytes_total", &pod_eth0);
+    assert!(
+        metrics_rx >= summary_rx as f64,
+        "rx: metrics {metrics_rx}, earlier summary {summary_rx}"
     );
 
     // An exec liveness probe that starts failing restarts the container as attempt 1; the

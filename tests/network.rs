@@ -684,3 +684,267 @@ exit 0"#,
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// The values of ListPodSandboxMetrics series named `name` whose labels include `want`
+/// (label name and value pairs), each series' labels checked against its descriptor.
+fn series(
+    descs: &std::collections::HashMap<String, Vec<String>>,
+    ms: &[cri::Metric],
+    name: &str,
+    want: &[(&str, &str)],
+) -> Vec<u64> {
+    let mut out = Vec::new();
+    for m in ms.iter().filter(|m| m.name == name) {
+        let keys = descs
+            .get(name)
+            .unwrap_or_else(|| panic!("{name} has no descriptor"));
+        assert_eq!(keys.len(), m.label_values.len(), "{name}: {m:?}");
+        let labels: std::collections::HashMap<&str, &str> = keys
+            .iter()
+            .map(String::as_str)
+            .zip(m.label_values.iter().map(String::as_str))
+            .collect();
+        if want.iter().all(|(k, v)| labels.get(k) == Some(v)) {
+            out.push(m.value.as_ref().unwrap().value);
+        }
+    }
+    out
+}
+
+/// kubelet's `/metrics/cadvisor` with PodAndContainerStatsFromCRI: ListMetricDescriptors, then
+/// ListPodSandboxMetrics (or its stream), series named as cAdvisor names them. Here against
+/// the kernel's own counters: the pod's traffic, a CPU-bound container throttled by its quota,
+/// its limits and its cgroup.
+#[tokio::test(flavor = "multi_thread")]
+async fn pod_metrics_count_the_pods_traffic_and_its_containers_cgroups() {
+    let net = TestNet::new();
+    let Some((_reg, h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("metered", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let ip = pod_ip(&mut rt, &pod).await;
+    let web_id = run_container(&mut rt, &pod, &cfg, web("web", 8080, "metered-body")).await;
+    // Half a core at most, and it wants all of one: throttled every period it runs.
+    let mut busy = container_config("busy", &["sh", "-c", "while :; do :; done"]);
+    busy.linux = Some(cri::LinuxContainerConfig {
+        resources: Some(cri::LinuxContainerResources {
+            cpu_period: 100_000,
+            cpu_quota: 50_000,
+            cpu_shares: 512,
+            memory_limit_in_bytes: 48 << 20,
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let busy_id = run_container(&mut rt, &pod, &cfg, busy).await;
+    let mut page = None;
+    for _ in 0..50 {
+        page = http_get(&format!("{ip}:8080"));
+        if page.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(page.unwrap_or_default().contains("metered-body"));
+
+    let descs: std::collections::HashMap<String, Vec<String>> = rt
+        .list_metric_descriptors(cri::ListMetricDescriptorsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .descriptors
+        .into_iter()
+        .map(|d| (d.name, d.label_keys))
+        .collect();
+    let metrics = |rt: &mut Rt| {
+        let mut rt = rt.clone();
+        let pod = pod.clone();
+        async move {
+            rt.list_pod_sandbox_metrics(cri::ListPodSandboxMetricsRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .pod_metrics
+                .into_iter()
+                .find(|m| m.pod_sandbox_id == pod)
+                .expect("the pod's metrics")
+        }
+    };
+    let labels = |c: &'static str| {
+        [
+            ("container", c),
+            ("namespace", "default"),
+            ("pod", "metered"),
+        ]
+    };
+    // One whole second of CPU (the CRI counts whole seconds), throttled on the way.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let m = loop {
+        let m = metrics(&mut rt).await;
+        let busy = m
+            .container_metrics
+            .iter()
+            .find(|c| c.container_id == busy_id)
+            .expect("the busy container's metrics");
+        let cpu = series(
+            &descs,
+            &busy.metrics,
+            "container_cpu_usage_seconds_total",
+            &[("cpu", "total")],
+        );
+        let throttled = series(
+            &descs,
+            &busy.metrics,
+            "container_cpu_cfs_throttled_periods_total",
+            &labels("busy"),
+        );
+        if cpu.first().is_some_and(|&s| s >= 1) && throttled.first().is_some_and(|&n| n > 0) {
+            break m;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no second of CPU and throttling: {cpu:?} {throttled:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let busy = m
+        .container_metrics
+        .iter()
+        .find(|c| c.container_id == busy_id)
+        .unwrap();
+    let one = |name: &str, c: &'static str, ms: &[cri::Metric]| {
+        let v = series(&descs, ms, name, &labels(c));
+        assert_eq!(v.len(), 1, "{name} for {c:?}: {v:?}");
+        v[0]
+    };
+    assert_eq!(
+        one("container_spec_memory_limit_bytes", "busy", &busy.metrics),
+        48 << 20
+    );
+    assert_eq!(
+        one("container_spec_cpu_quota", "busy", &busy.metrics),
+        50_000
+    );
+    assert_eq!(
+        one("container_spec_cpu_period", "busy", &busy.metrics),
+        100_000
+    );
+    assert_eq!(one("container_spec_cpu_shares", "busy", &busy.metrics), 512);
+    assert!(one("container_cpu_cfs_periods_total", "busy", &busy.metrics) > 0);
+    assert!(one("container_memory_usage_bytes", "busy", &busy.metrics) > 0);
+    assert!(one("container_threads", "busy", &busy.metrics) >= 1);
+    // Its `id` is its cgroup, as the kernel shows it for the process; `name` is hako's ID.
+    let pid = container_pid(&mut rt, &busy_id).await;
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let path = cgroups
+        .lines()
+        .find_map(|l| {
+            let (_, rest) = l.split_once(':')?;
+            let (ctrls, path) = rest.split_once(':')?;
+            (ctrls.is_empty() || ctrls.split(',').any(|c| c == "memory")).then_some(path)
+        })
+        .unwrap();
+    let by_id = series(
+        &descs,
+        &busy.metrics,
+        "container_memory_working_set_bytes",
+        &[("id", path), ("name", busy_id.as_str()), ("image", IMAGE)],
+    );
+    assert_eq!(
+        by_id.len(),
+        1,
+        "no series with id {path} and name {busy_id}"
+    );
+    // The web container too, and the pod's own series (container "").
+    let web = m
+        .container_metrics
+        .iter()
+        .find(|c| c.container_id == web_id)
+        .expect("the web container's metrics");
+    assert!(one("container_memory_usage_bytes", "web", &web.metrics) > 0);
+    assert!(
+        one("container_cpu_usage_seconds_total", "", &m.metrics)
+            >= one("container_cpu_usage_seconds_total", "busy", &busy.metrics)
+    );
+    // The pod's traffic: what the HTTP exchange moved, at most what the netns counted after.
+    let (ns_rx, ns_tx) = {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+        let f: Vec<u64> = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("eth0:"))
+            .unwrap()
+            .split_once(':')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .map(|v| v.parse().unwrap())
+            .collect();
+        (f[0], f[8])
+    };
+    let eth0 = [("container", ""), ("interface", "eth0"), ("pod", "metered")];
+    let rx = series(
+        &descs,
+        &m.metrics,
+        "container_network_receive_bytes_total",
+        &eth0,
+    );
+    let tx = series(
+        &descs,
+        &m.metrics,
+        "container_network_transmit_bytes_total",
+        &eth0,
+    );
+    assert_eq!((rx.len(), tx.len()), (1, 1), "{rx:?} {tx:?}");
+    assert!(rx[0] > 0 && rx[0] <= ns_rx, "rx {} netns {ns_rx}", rx[0]);
+    assert!(tx[0] > 0 && tx[0] <= ns_tx, "tx {} netns {ns_tx}", tx[0]);
+    let packets = series(
+        &descs,
+        &m.metrics,
+        "container_network_receive_packets_total",
+        &eth0,
+    );
+    assert!(packets[0] > 0, "{packets:?}");
+
+    // The stream holds the same pods and series.
+    let mut stream = rt
+        .stream_pod_sandbox_metrics(cri::StreamPodSandboxMetricsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let mut streamed = Vec::new();
+    while let Some(r) = stream.message().await.unwrap() {
+        streamed.extend(r.pod_sandbox_metrics);
+    }
+    let s = streamed
+        .iter()
+        .find(|p| p.pod_sandbox_id == pod)
+        .expect("the pod in the stream");
+    assert_eq!(s.container_metrics.len(), 2);
+    assert_eq!(
+        s.metrics.iter().map(|m| &m.name).collect::<Vec<_>>(),
+        m.metrics.iter().map(|m| &m.name).collect::<Vec<_>>()
+    );
+
+    // crictl's view of the same.
+    let crictl = support::which("crictl");
+    if let Some(crictl) = crictl {
+        let out = std::process::Command::new(crictl)
+            .args(["--runtime-endpoint", &h.endpoint(), "metricdescs"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{out:?}");
+        assert!(
+            text.contains("container_cpu_cfs_throttled_periods_total"),
+            "{text}"
+        );
+    } else {
+        eprintln!("SKIPPED the crictl metricdescs check: no crictl");
+    }
+
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

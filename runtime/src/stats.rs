@@ -33,6 +33,33 @@ pub struct Sample {
     pub cpu_psi: Option<Psi>,
     pub memory_psi: Option<Psi>,
     pub io_psi: Option<Psi>,
+    /// What only the metrics list reads ([`sample_detailed`]); None in a plain [`sample`].
+    pub detail: Option<Detail>,
+}
+
+/// Readings the metrics list (ListPodSandboxMetrics, kubelet's `/metrics/cadvisor`) reports
+/// beyond the stats RPCs. They take more files (five more on v1), read only when asked for:
+/// kubelet lists stats every few seconds, metrics when scraped.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Detail {
+    pub cpu_user_ns: u64,
+    pub cpu_system_ns: u64,
+    /// CFS bandwidth control: enforcement periods elapsed, those throttled, time throttled.
+    pub cfs_periods: u64,
+    pub cfs_throttled_periods: u64,
+    pub cfs_throttled_ns: u64,
+    /// Page cache, and the part of it mapped into processes.
+    pub cache: u64,
+    pub mapped_file: u64,
+    pub swap: u64,
+    /// The highest usage seen (v1 `max_usage_in_bytes`, v2 `memory.peak`); None where the
+    /// kernel keeps none (v2 before 5.19).
+    pub max_usage: Option<u64>,
+    /// Times usage hit the limit (v1 `memory.failcnt`, v2 `memory.events` max).
+    pub limit_hits: u64,
+    /// Processes the OOM killer ended in this cgroup (`oom_kill` of v1 `memory.oom_control`,
+    /// v2 `memory.events`).
+    pub oom_kills: u64,
 }
 
 /// A cgroup's `<resource>.pressure`: the share of time some or all of its tasks stalled.
@@ -148,7 +175,7 @@ enum Layout {
     /// Pure cgroup v2: one hierarchy.
     V2(PathBuf),
     /// v1 or hybrid (libcontainer puts containers in the v1 hierarchies there): the
-    /// hierarchies of `cpuacct`, `memory` and `pids`, those mounted.
+    /// hierarchies of `cpu`, `cpuacct`, `memory` and `pids`, those mounted.
     V1(HashMap<String, PathBuf>),
 }
 
@@ -183,7 +210,7 @@ fn v1_mounts(mountinfo: &str) -> HashMap<String, PathBuf> {
             continue;
         };
         for c in opts.split(',') {
-            if matches!(c, "cpuacct" | "memory" | "pids") {
+            if matches!(c, "cpu" | "cpuacct" | "memory" | "pids") {
                 // The first mount of a hierarchy is the one libcontainer uses too.
                 found
                     .entry(c.to_string())
@@ -216,15 +243,22 @@ fn unescape_mountinfo(s: &str) -> String {
 
 /// Reads the cgroup at `cgroups_path` (as in the OCI spec, e.g. `/kubepods/pod1/hako-<id>`).
 pub fn sample(cgroups_path: &str) -> Result<Sample> {
-    read_sample(layout(), cgroups_path).map_err(|e| cgroup_error(cgroups_path, e, read_error))
+    read_sample(layout(), cgroups_path, false)
+        .map_err(|e| cgroup_error(cgroups_path, e, read_error))
+}
+
+/// As [`sample`], with its [`Detail`].
+pub fn sample_detailed(cgroups_path: &str) -> Result<Sample> {
+    read_sample(layout(), cgroups_path, true).map_err(|e| cgroup_error(cgroups_path, e, read_error))
 }
 
 /// One reading under `layout`. A controller whose file is absent counts 0 (a v2 cgroup whose
 /// parent does not delegate it, a v1 node without a pids hierarchy), as libcgroups reads only
 /// what is enabled; a cgroup that is not there at all is an error.
-fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
+fn read_sample(layout: &Layout, cgroups_path: &str, detailed: bool) -> std::io::Result<Sample> {
     let rel = cgroups_path.trim_start_matches('/');
     let mut psi = [None; 3];
+    let mut detail = None;
     let (cpu_usage_ns, usage, stat, pids, memory_limit) = match layout {
         Layout::V2(root) => {
             let dir = root.join(rel);
@@ -232,6 +266,9 @@ fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
             // cpu.stat's usage_usec is there whether or not the cpu controller is enabled.
             let cpu = std::fs::read_to_string(dir.join("cpu.stat"))?;
             let usec = stat_value(&cpu, "usage_usec").unwrap_or(0);
+            if detailed {
+                detail = Some(v2_detail(&dir, &cpu)?);
+            }
             (
                 usec.saturating_mul(1000),
                 read_u64(&dir.join("memory.current"))?,
@@ -249,6 +286,9 @@ fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
             let ns = std::fs::read_to_string(cpuacct.join("cpuacct.usage"))?;
             let memory = dir("memory");
             let pids = dir("pids");
+            if detailed {
+                detail = Some(v1_detail(&cpuacct, dir("cpu"), memory.as_deref())?);
+            }
             (
                 ns.trim().parse().unwrap_or(0),
                 match &memory {
@@ -280,6 +320,14 @@ fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
             .or_else(|| stat_value(&stat, v2))
             .unwrap_or(0)
     };
+    if let Some(d) = &mut detail {
+        d.cache = get("total_cache", "file");
+        d.mapped_file = get("total_mapped_file", "file_mapped");
+        // v1 counts swap here (with swap accounting on); v2 in a file of its own.
+        if let Some(swap) = stat_value(&stat, "total_swap") {
+            d.swap = swap;
+        }
+    }
     Ok(Sample {
         cpu_usage_ns,
         memory_usage: usage,
@@ -292,7 +340,72 @@ fn read_sample(layout: &Layout, cgroups_path: &str) -> std::io::Result<Sample> {
         cpu_psi: psi[0],
         memory_psi: psi[1],
         io_psi: psi[2],
+        detail,
     })
+}
+
+/// A v1 cgroup's [`Detail`] but for what memory.stat gives (filled by the caller): CPU time
+/// by mode (`cpuacct.stat`, in clock ticks), CFS throttling (the cpu hierarchy's `cpu.stat`),
+/// peak usage, limit hits and OOM kills. A hierarchy the node does not mount counts 0.
+fn v1_detail(
+    cpuacct: &Path,
+    cpu: Option<PathBuf>,
+    memory: Option<&Path>,
+) -> std::io::Result<Detail> {
+    let ticks = std::fs::read_to_string(cpuacct.join("cpuacct.stat"))?;
+    let tick_ns = 1_000_000_000 / clock_ticks_per_second();
+    let cfs = match &cpu {
+        Some(c) => read_optional(&c.join("cpu.stat"))?,
+        None => String::new(),
+    };
+    let (mut max_usage, mut limit_hits, mut oom_kills) = (None, 0, 0);
+    if let Some(m) = memory {
+        max_usage = Some(read_u64(&m.join("memory.max_usage_in_bytes"))?);
+        limit_hits = read_u64(&m.join("memory.failcnt"))?;
+        oom_kills =
+            stat_value(&read_optional(&m.join("memory.oom_control"))?, "oom_kill").unwrap_or(0);
+    }
+    let get = |text: &str, key: &str| stat_value(text, key).unwrap_or(0);
+    Ok(Detail {
+        cpu_user_ns: get(&ticks, "user").saturating_mul(tick_ns),
+        cpu_system_ns: get(&ticks, "system").saturating_mul(tick_ns),
+        cfs_periods: get(&cfs, "nr_periods"),
+        cfs_throttled_periods: get(&cfs, "nr_throttled"),
+        cfs_throttled_ns: get(&cfs, "throttled_time"),
+        max_usage,
+        limit_hits,
+        oom_kills,
+        ..Detail::default()
+    })
+}
+
+/// A v2 cgroup's [`Detail`] but for what memory.stat gives: `cpu.stat` (already read, as
+/// `cpu`), `memory.swap.current`, `memory.peak` and `memory.events`.
+fn v2_detail(dir: &Path, cpu: &str) -> std::io::Result<Detail> {
+    let usec = |key: &str| stat_value(cpu, key).unwrap_or(0).saturating_mul(1000);
+    let events = read_optional(&dir.join("memory.events"))?;
+    let peak = read_optional(&dir.join("memory.peak"))?;
+    Ok(Detail {
+        cpu_user_ns: usec("user_usec"),
+        cpu_system_ns: usec("system_usec"),
+        cfs_periods: stat_value(cpu, "nr_periods").unwrap_or(0),
+        cfs_throttled_periods: stat_value(cpu, "nr_throttled").unwrap_or(0),
+        cfs_throttled_ns: usec("throttled_usec"),
+        swap: read_u64(&dir.join("memory.swap.current"))?,
+        max_usage: peak.trim().parse().ok(),
+        limit_hits: stat_value(&events, "max").unwrap_or(0),
+        oom_kills: stat_value(&events, "oom_kill").unwrap_or(0),
+        ..Detail::default()
+    })
+}
+
+/// USER_HZ, the unit of `cpuacct.stat` (100 on every Linux architecture hako builds for).
+fn clock_ticks_per_second() -> u64 {
+    // SAFETY: sysconf reads a constant of the C library; it touches no memory of ours.
+    match unsafe { libc::sysconf(libc::_SC_CLK_TCK) } {
+        n if n > 0 => n as u64,
+        _ => 100,
+    }
 }
 
 /// A file's text; empty when the file is absent but its directory is there.
@@ -405,7 +518,8 @@ mod tests {
     #[test]
     fn v1_mounts_come_from_the_cgroup_lines_super_options() {
         let m = v1_mounts(MOUNTINFO);
-        assert_eq!(m.len(), 3, "{m:?}");
+        assert_eq!(m.len(), 4, "{m:?}");
+        assert_eq!(m["cpu"], Path::new("/sys/fs/cgroup/cpu,cpuacct"));
         assert_eq!(m["cpuacct"], Path::new("/sys/fs/cgroup/cpu,cpuacct"));
         // The first mount of a hierarchy wins.
         assert_eq!(m["memory"], Path::new("/sys/fs/cgroup/memory"));
@@ -467,7 +581,7 @@ mod tests {
                 .map(|h| (h.to_string(), t.path().join(h)))
                 .collect(),
         );
-        let s = read_sample(&v1, &format!("/{c}")).unwrap();
+        let s = read_sample(&v1, &format!("/{c}"), false).unwrap();
         assert_eq!(
             s,
             Sample {
@@ -487,7 +601,7 @@ mod tests {
             &t.path().join("memory").join(c),
             &[("memory.limit_in_bytes", "9223372036854771712\n")],
         );
-        assert_eq!(read_sample(&v1, c).unwrap().memory_limit, None);
+        assert_eq!(read_sample(&v1, c, false).unwrap().memory_limit, None);
         let v2 = tempfile::tempdir().unwrap();
         write(
             &v2.path().join(c),
@@ -513,7 +627,7 @@ mod tests {
                 ),
             ],
         );
-        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), c).unwrap();
+        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), c, false).unwrap();
         let line = |avg10, avg60, avg300, total_ns| PsiLine {
             avg10,
             avg60,
@@ -538,18 +652,140 @@ mod tests {
                 memory_psi: Some(Psi::default()),
                 // No io.pressure (PSI off, or an older kernel): none, not an error.
                 io_psi: None,
+                detail: None,
             }
         );
         write(&v2.path().join(c), &[("memory.max", "4096\n")]);
-        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), c).unwrap();
+        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), c, false).unwrap();
         assert_eq!(s.memory_limit, Some(4096));
         // A v2 cgroup whose parent delegates no memory or pids controller: zeros, no error.
         write(&v2.path().join("bare"), &[("cpu.stat", "usage_usec 1\n")]);
-        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), "/bare").unwrap();
+        let s = read_sample(&Layout::V2(v2.path().to_path_buf()), "/bare", false).unwrap();
         assert_eq!((s.cpu_usage_ns, s.memory_usage, s.pids), (1000, 0, 0));
         // A cgroup that is not there is an error, on either layout.
-        assert!(read_sample(&v1, "/kubepods/gone").is_err());
-        assert!(read_sample(&Layout::V2(v2.path().to_path_buf()), "/gone").is_err());
+        assert!(read_sample(&v1, "/kubepods/gone", true).is_err());
+        assert!(read_sample(&Layout::V2(v2.path().to_path_buf()), "/gone", true).is_err());
+    }
+
+    #[test]
+    fn detailed_readings_come_from_their_files_on_v1_and_v2() {
+        let t = tempfile::tempdir().unwrap();
+        let c = "kubepods/pod1/hako-c";
+        // cpu and cpuacct co-mounted, as most v1 nodes have them.
+        write(
+            &t.path().join("cpu,cpuacct").join(c),
+            &[
+                ("cpuacct.usage", "123456789\n"),
+                ("cpuacct.stat", "user 250\nsystem 75\n"),
+                (
+                    "cpu.stat",
+                    "nr_periods 40\nnr_throttled 9\nthrottled_time 123000000\n",
+                ),
+            ],
+        );
+        write(
+            &t.path().join("memory").join(c),
+            &[
+                ("memory.usage_in_bytes", "1000000\n"),
+                ("memory.max_usage_in_bytes", "2500000\n"),
+                ("memory.failcnt", "4\n"),
+                (
+                    "memory.oom_control",
+                    "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
+                ),
+                (
+                    "memory.stat",
+                    "cache 7\nmapped_file 1\nswap 3\ntotal_cache 6000\ntotal_mapped_file 500\ntotal_swap 4096\n",
+                ),
+            ],
+        );
+        let mounts = |hs: &[(&str, &str)]| {
+            Layout::V1(
+                hs.iter()
+                    .map(|(c, h)| (c.to_string(), t.path().join(h)))
+                    .collect(),
+            )
+        };
+        let v1 = mounts(&[
+            ("cpu", "cpu,cpuacct"),
+            ("cpuacct", "cpu,cpuacct"),
+            ("memory", "memory"),
+        ]);
+        let tick = 1_000_000_000 / clock_ticks_per_second();
+        let want = Detail {
+            cpu_user_ns: 250 * tick,
+            cpu_system_ns: 75 * tick,
+            cfs_periods: 40,
+            cfs_throttled_periods: 9,
+            cfs_throttled_ns: 123_000_000,
+            cache: 6000,
+            mapped_file: 500,
+            swap: 4096,
+            max_usage: Some(2_500_000),
+            limit_hits: 4,
+            oom_kills: 2,
+        };
+        assert_eq!(read_sample(&v1, c, true).unwrap().detail, Some(want));
+        // A plain reading reads none of it.
+        assert_eq!(read_sample(&v1, c, false).unwrap().detail, None);
+        // No cpu or memory hierarchy: their parts count 0.
+        let bare = mounts(&[("cpuacct", "cpu,cpuacct")]);
+        assert_eq!(
+            read_sample(&bare, c, true).unwrap().detail,
+            Some(Detail {
+                cpu_user_ns: 250 * tick,
+                cpu_system_ns: 75 * tick,
+                ..Detail::default()
+            })
+        );
+
+        let v2 = tempfile::tempdir().unwrap();
+        write(
+            &v2.path().join(c),
+            &[
+                (
+                    "cpu.stat",
+                    "usage_usec 250\nuser_usec 200\nsystem_usec 50\nnr_periods 12\nnr_throttled 3\nthrottled_usec 4500\n",
+                ),
+                ("memory.current", "2000\n"),
+                (
+                    "memory.stat",
+                    "anon 900\nfile 1000\nfile_mapped 300\ninactive_file 600\n",
+                ),
+                ("memory.swap.current", "8192\n"),
+                ("memory.peak", "7000\n"),
+                (
+                    "memory.events",
+                    "low 0\nhigh 0\nmax 6\noom 1\noom_kill 1\noom_group_kill 0\n",
+                ),
+            ],
+        );
+        let v2 = Layout::V2(v2.path().to_path_buf());
+        assert_eq!(
+            read_sample(&v2, c, true).unwrap().detail,
+            Some(Detail {
+                cpu_user_ns: 200_000,
+                cpu_system_ns: 50_000,
+                cfs_periods: 12,
+                cfs_throttled_periods: 3,
+                cfs_throttled_ns: 4_500_000,
+                cache: 1000,
+                mapped_file: 300,
+                swap: 8192,
+                max_usage: Some(7000),
+                limit_hits: 6,
+                oom_kills: 1,
+            })
+        );
+        // A kernel without memory.peak (before 5.19) keeps no peak.
+        let Layout::V2(root) = &v2 else {
+            unreachable!()
+        };
+        std::fs::remove_file(root.join(c).join("memory.peak")).unwrap();
+        assert_eq!(
+            read_sample(&v2, c, true).unwrap().detail.unwrap().max_usage,
+            None
+        );
     }
 
     /// The files read here against libcgroups' own reading of a real cgroup of this node,
@@ -613,7 +849,7 @@ mod tests {
             );
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        let ours = sample(&path);
+        let ours = sample_detailed(&path);
         let theirs = manager(&path, read_error).unwrap().stats();
         let _ = child.kill();
         let _ = child.wait();
@@ -638,5 +874,36 @@ mod tests {
             .copied()
             .unwrap_or(0);
         assert_eq!(ours.rss, rss);
+        // The metrics' detail: CPU by mode (v1 in clock ticks, v2 in µs), CFS throttling,
+        // page cache, peak usage and limit hits.
+        let d = ours.detail.expect("a detailed reading");
+        let (user_unit, throttle_unit) = if scale == 1 {
+            (1_000_000_000 / clock_ticks_per_second(), 1)
+        } else {
+            (1000, 1000)
+        };
+        let cpu = &theirs.cpu;
+        assert_eq!(d.cpu_user_ns, cpu.usage.usage_user * user_unit);
+        assert_eq!(d.cpu_system_ns, cpu.usage.usage_kernel * user_unit);
+        assert!(
+            d.cpu_user_ns + d.cpu_system_ns > 0,
+            "the shell spun in user or system mode: {d:?}"
+        );
+        assert_eq!(d.cfs_periods, cpu.throttling.periods);
+        assert_eq!(d.cfs_throttled_periods, cpu.throttling.throttled_periods);
+        assert_eq!(
+            d.cfs_throttled_ns,
+            cpu.throttling.throttled_time * throttle_unit
+        );
+        let mem = &theirs.memory;
+        assert_eq!(d.max_usage.unwrap_or(0), mem.memory.max_usage);
+        assert!(d.max_usage.unwrap_or(1) >= ours.memory_usage, "{d:?}");
+        assert_eq!(d.limit_hits, mem.memory.fail_count);
+        let cache = m
+            .get("total_cache")
+            .or_else(|| m.get("file"))
+            .copied()
+            .unwrap_or(0);
+        assert_eq!(d.cache, cache);
     }
 }

@@ -1,7 +1,8 @@
 //! The stats room: ContainerStats, ListContainerStats, PodSandboxStats and
-//! ListPodSandboxStats. Cgroup readings (with CPU rates from the previous reading) and the
-//! disk use of a container's writable layer, read off the async workers. The top room: it
-//! takes its views from the sandbox and container rooms.
+//! ListPodSandboxStats, and the readings behind ListPodSandboxMetrics. Cgroup readings (with
+//! CPU rates from the previous reading) and the disk use of a container's writable layer, read
+//! off the async workers. The top room: it takes its views from the sandbox and container
+//! rooms.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -36,6 +37,8 @@ pub struct Usage {
 /// A pod's stats: its view, its cgroup's usage, its network's and its containers'.
 pub struct PodStats {
     pub pod: PodView,
+    /// The pod's cgroup (as the OCI spec names cgroups), which its usage is read from.
+    pub cgroup: String,
     pub usage: Usage,
     /// The counters of the interfaces in the pod's network namespace (loopback aside); none
     /// for a pod on the host's network or when the namespace cannot be read.
@@ -44,13 +47,27 @@ pub struct PodStats {
 }
 
 /// One interface's counters, from the kernel's `/proc/net/dev` as seen in the pod's netns.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct NetCounters {
     pub name: String,
     pub rx_bytes: u64,
+    pub rx_packets: u64,
     pub rx_errors: u64,
+    pub rx_dropped: u64,
     pub tx_bytes: u64,
+    pub tx_packets: u64,
     pub tx_errors: u64,
+    pub tx_dropped: u64,
+}
+
+/// Who a reading is for. The stats RPCs (kubelet's every few seconds) get CPU rates and the
+/// writable layer's disk use; the metrics list (a scrape of `/metrics/cadvisor`) gets the
+/// cgroups' detailed counters instead, and leaves the rates' previous readings alone, so that
+/// a scrape between two stats lists does not shorten the window of their rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Purpose {
+    Stats,
+    Metrics,
 }
 
 /// Bounds of one walk of a writable layer. Its content is the container's to shape: millions
@@ -136,8 +153,11 @@ impl Runtime {
     ) -> Result<Vec<(ContainerView, Usage)>> {
         let all = self.containers().await?;
         self.prune_cpu_samples(None, &all);
-        self.with_usage(all.into_iter().filter(|c| keep(c)).collect())
-            .await
+        self.with_usage(
+            all.into_iter().filter(|c| keep(c)).collect(),
+            Purpose::Stats,
+        )
+        .await
     }
 
     /// PodSandboxStats.
@@ -152,14 +172,30 @@ impl Runtime {
             .into_iter()
             .filter(|c| c.record.pod_id == pod.record.id)
             .collect();
-        self.pod_stats_of(pod, containers).await
+        self.pod_stats_of(pod, containers, Purpose::Stats).await
     }
 
     /// ListPodSandboxStats: the pods `keep` selects, with their containers. One round of
     /// monitor reads for all.
     pub async fn list_pod_stats(&self, keep: impl Fn(&PodView) -> bool) -> Result<Vec<PodStats>> {
+        self.list_pods_usage(keep, Purpose::Stats).await
+    }
+
+    /// Every pod with its containers, their cgroups read in detail (see [`Purpose`]), for
+    /// ListPodSandboxMetrics. No CPU rates, no writable layer walks.
+    pub async fn list_pod_metrics(&self) -> Result<Vec<PodStats>> {
+        self.list_pods_usage(|_| true, Purpose::Metrics).await
+    }
+
+    async fn list_pods_usage(
+        &self,
+        keep: impl Fn(&PodView) -> bool,
+        purpose: Purpose,
+    ) -> Result<Vec<PodStats>> {
         let (pods, containers) = self.views_of(self.pods()?, true).await?;
-        self.prune_cpu_samples(Some(&pods), &containers);
+        if purpose == Purpose::Stats {
+            self.prune_cpu_samples(Some(&pods), &containers);
+        }
         let mut by_pod: HashMap<String, Vec<ContainerView>> = HashMap::new();
         for c in containers {
             by_pod.entry(c.record.pod_id.clone()).or_default().push(c);
@@ -167,16 +203,22 @@ impl Runtime {
         let mut out = Vec::new();
         for pod in pods.into_iter().filter(|p| keep(p)) {
             let cs = by_pod.remove(&pod.record.id).unwrap_or_default();
-            out.push(self.pod_stats_of(pod, cs).await?);
+            out.push(self.pod_stats_of(pod, cs, purpose).await?);
         }
         Ok(out)
     }
 
-    async fn pod_stats_of(&self, pod: PodView, containers: Vec<ContainerView>) -> Result<PodStats> {
+    async fn pod_stats_of(
+        &self,
+        pod: PodView,
+        containers: Vec<ContainerView>,
+        purpose: Purpose,
+    ) -> Result<PodStats> {
         let key = format!("pod/{}", pod.record.id);
         let cgroup = pod_cgroup(&pod.record);
         let netns = pod.record.namespaces.get("network").cloned();
         let id = pod.record.id.clone();
+        let read_from = cgroup.clone();
         let ((timestamp, sample), network) = blocking(move || {
             // A pod has no process of its own for a stats reader to look through (kubelet's
             // cAdvisor finds none): its network is read here, from its namespace.
@@ -187,12 +229,14 @@ impl Runtime {
                     None
                 }
             });
-            Ok((cgroup_sample(&cgroup), network))
+            Ok((cgroup_sample(&read_from, purpose), network))
         })
         .await?;
         let usage = Usage {
             timestamp,
-            nano_cores: sample.and_then(|s| self.cpu_samples.rate(&key, timestamp, s.cpu_usage_ns)),
+            nano_cores: sample
+                .filter(|_| purpose == Purpose::Stats)
+                .and_then(|s| self.cpu_samples.rate(&key, timestamp, s.cpu_usage_ns)),
             sample,
             writable_bytes: 0,
             writable_inodes: 0,
@@ -200,9 +244,10 @@ impl Runtime {
         };
         Ok(PodStats {
             pod,
+            cgroup,
             usage,
             network,
-            containers: self.with_usage(containers).await?,
+            containers: self.with_usage(containers, purpose).await?,
         })
     }
 
@@ -210,7 +255,11 @@ impl Runtime {
     /// `USAGE_READS_AT_ONCE` blocking tasks, each reading its share of the containers in turn:
     /// a task per container cost more in hand-offs between threads than its reads (a few
     /// hundred containers).
-    async fn with_usage(&self, views: Vec<ContainerView>) -> Result<Vec<(ContainerView, Usage)>> {
+    async fn with_usage(
+        &self,
+        views: Vec<ContainerView>,
+        purpose: Purpose,
+    ) -> Result<Vec<(ContainerView, Usage)>> {
         if views.is_empty() {
             return Ok(Vec::new());
         }
@@ -227,7 +276,7 @@ impl Runtime {
             blocking(move || {
                 Ok(jobs
                     .iter()
-                    .map(|(id, cgroup, upper)| read_usage(id, cgroup, upper))
+                    .map(|(id, cgroup, upper)| read_usage(id, cgroup, upper, purpose))
                     .collect::<Vec<_>>())
             })
         });
@@ -236,7 +285,7 @@ impl Runtime {
             .into_iter()
             .zip(readings.into_iter().flatten())
             .map(|(v, r)| {
-                let u = self.usage_of(&v.record, r);
+                let u = self.usage_of(&v.record, r, purpose);
                 (v, u)
             })
             .collect())
@@ -247,12 +296,13 @@ impl Runtime {
     async fn container_usage(&self, c: &ContainerRecord) -> Result<Usage> {
         let upper = self.layer_dir(&c.id).join("upper");
         let (cgroup, id) = (c.cgroups_path.clone(), c.id.clone());
-        let reading = blocking(move || Ok(read_usage(&id, &cgroup, &upper))).await?;
-        Ok(self.usage_of(c, reading))
+        let reading =
+            blocking(move || Ok(read_usage(&id, &cgroup, &upper, Purpose::Stats))).await?;
+        Ok(self.usage_of(c, reading, Purpose::Stats))
     }
 
     /// A container's [`Reading`] as usage, its CPU rate from the reading before.
-    fn usage_of(&self, c: &ContainerRecord, reading: Reading) -> Usage {
+    fn usage_of(&self, c: &ContainerRecord, reading: Reading, purpose: Purpose) -> Usage {
         let Reading {
             timestamp,
             sample,
@@ -264,6 +314,7 @@ impl Runtime {
         Usage {
             timestamp,
             nano_cores: sample
+                .filter(|_| purpose == Purpose::Stats)
                 .and_then(|s| self.cpu_samples.rate(&c.id, timestamp, s.cpu_usage_ns)),
             sample,
             writable_bytes: walked.bytes,
@@ -296,9 +347,16 @@ struct Reading {
     walked: Walked,
 }
 
-/// Reads a container's cgroup and walks its writable layer. Blocking.
-fn read_usage(id: &str, cgroup: &str, upper: &Path) -> Reading {
-    let (timestamp, sample) = cgroup_sample(cgroup);
+/// Reads a container's cgroup and, for the stats RPCs, walks its writable layer. Blocking.
+fn read_usage(id: &str, cgroup: &str, upper: &Path, purpose: Purpose) -> Reading {
+    let (timestamp, sample) = cgroup_sample(cgroup, purpose);
+    if purpose == Purpose::Metrics {
+        return Reading {
+            timestamp,
+            sample,
+            walked: Walked::default(),
+        };
+    }
     let walked = match walk(upper, LAYER_WALK) {
         Ok(w) => w,
         Err(e) => {
@@ -314,9 +372,16 @@ fn read_usage(id: &str, cgroup: &str, upper: &Path) -> Reading {
 }
 
 /// A cgroup's reading and its time; none when the cgroup cannot be read (gone, never made).
-fn cgroup_sample(cgroups_path: &str) -> (i64, Option<hako_runtime::stats::Sample>) {
+fn cgroup_sample(
+    cgroups_path: &str,
+    purpose: Purpose,
+) -> (i64, Option<hako_runtime::stats::Sample>) {
     let now = now_nanos();
-    match hako_runtime::stats::sample(cgroups_path) {
+    let read = match purpose {
+        Purpose::Stats => hako_runtime::stats::sample,
+        Purpose::Metrics => hako_runtime::stats::sample_detailed,
+    };
+    match read(cgroups_path) {
         Ok(s) => (now, Some(s)),
         Err(e) => {
             tracing::debug!(cgroup = cgroups_path, error = %crate::error::chain(&e), "no cgroup stats");
@@ -357,9 +422,13 @@ fn parse_net_dev(text: &str) -> Vec<NetCounters> {
             (f.len() >= 16 && name != "lo").then(|| NetCounters {
                 name: name.to_string(),
                 rx_bytes: f[0],
+                rx_packets: f[1],
                 rx_errors: f[2],
+                rx_dropped: f[3],
                 tx_bytes: f[8],
+                tx_packets: f[9],
                 tx_errors: f[10],
+                tx_dropped: f[11],
             })
         })
         .collect()
@@ -538,16 +607,20 @@ mod tests {
         let text = "Inter-|   Receive                                                |  Transmit
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
     lo:     140       2    0    0    0     0          0         0      140       2    0    0    0     0       0          0
-  eth0:    1706      19    3    0    0     0          0         0     1052      12    4    0    0     0       0          0
+  eth0:    1706      19    3    2    0     0          0         0     1052      12    4    1    0     0       0          0
 ";
         assert_eq!(
             parse_net_dev(text),
             [NetCounters {
                 name: "eth0".into(),
                 rx_bytes: 1706,
+                rx_packets: 19,
                 rx_errors: 3,
+                rx_dropped: 2,
                 tx_bytes: 1052,
+                tx_packets: 12,
                 tx_errors: 4,
+                tx_dropped: 1,
             }]
         );
     }

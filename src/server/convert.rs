@@ -698,9 +698,8 @@ mod tests {
         let iface = |name: &str, rx: u64| crate::pods::NetCounters {
             name: name.into(),
             rx_bytes: rx,
-            rx_errors: 0,
             tx_bytes: 1,
-            tx_errors: 0,
+            ..Default::default()
         };
         // A pod whose netns has no eth0 (only loopback): no network usage at all.
         let usage = net_usage(7, &[iface("lo", 5)]);

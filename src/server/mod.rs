@@ -3,6 +3,7 @@
 
 mod convert;
 mod image;
+mod metrics;
 mod runtime;
 
 use std::future::Future;

@@ -1,6 +1,6 @@
 //! `runtime.v1.RuntimeService`. RPCs not built yet (CheckpointContainer, CheckpointPod,
-//! RestorePod, ListPodSandboxMetrics and its stream, GetContainerEvents) answer UNIMPLEMENTED
-//! naming the RPC. Exec, Attach and PortForward return URLs on the streaming server
+//! RestorePod, GetContainerEvents) answer UNIMPLEMENTED naming the RPC. ListPodSandboxMetrics
+//! and ListMetricDescriptors are in `metrics`. Exec, Attach and PortForward return URLs on the streaming server
 //! (`crate::streaming`). The Stream* lists (kubelet's CRIListStreaming) send what the List RPC
 //! of the same filter answers, in responses of at most `STREAM_CHUNK` items and
 //! `STREAM_CHUNK_BYTES`.
@@ -12,7 +12,7 @@ use hako_proto::cri;
 use hako_proto::cri::runtime_service_server::RuntimeService;
 use tonic::{Request, Response, Status};
 
-use super::{convert, status, unimplemented};
+use super::{convert, metrics, status, unimplemented};
 use crate::config::CgroupDriver;
 use crate::daemon::Daemon;
 use crate::error::Error;
@@ -30,6 +30,21 @@ pub(super) fn check_handler(daemon: &Daemon, handler: &str) -> Result<(), Error>
     Err(Error::InvalidArgument(format!(
         "runtime handler {handler:?} is not configured (runtime.handlers)"
     )))
+}
+
+impl Runtime {
+    /// Every pod's metrics (ListPodSandboxMetrics and its stream).
+    async fn pod_metrics(&self, rpc: &str) -> Result<Vec<cri::PodSandboxMetrics>, Status> {
+        Ok(self
+            .daemon
+            .runtime
+            .list_pod_metrics()
+            .await
+            .map_err(|e| status(rpc, e))?
+            .iter()
+            .map(metrics::pod_metrics)
+            .collect())
+    }
 }
 
 fn pod_stats(s: &PodStats) -> cri::PodSandboxStats {
@@ -376,7 +391,7 @@ impl RuntimeService for Runtime {
         _: Request<cri::ListMetricDescriptorsRequest>,
     ) -> Result<Response<cri::ListMetricDescriptorsResponse>, Status> {
         Ok(Response::new(cri::ListMetricDescriptorsResponse {
-            descriptors: vec![],
+            descriptors: metrics::descriptors(),
         }))
     }
 
@@ -711,7 +726,10 @@ impl RuntimeService for Runtime {
         &self,
         _: Request<cri::ListPodSandboxMetricsRequest>,
     ) -> Result<Response<cri::ListPodSandboxMetricsResponse>, Status> {
-        unimplemented("ListPodSandboxMetrics")
+        let pod_metrics = self.pod_metrics("ListPodSandboxMetrics").await?;
+        Ok(Response::new(cri::ListPodSandboxMetricsResponse {
+            pod_metrics,
+        }))
     }
 
     type StreamPodSandboxMetricsStream = ListStream<cri::StreamPodSandboxMetricsResponse>;
@@ -720,7 +738,12 @@ impl RuntimeService for Runtime {
         &self,
         _: Request<cri::StreamPodSandboxMetricsRequest>,
     ) -> Result<Response<Self::StreamPodSandboxMetricsStream>, Status> {
-        unimplemented("StreamPodSandboxMetrics")
+        let items = self.pod_metrics("StreamPodSandboxMetrics").await?;
+        Ok(chunked(items, |pod_sandbox_metrics| {
+            cri::StreamPodSandboxMetricsResponse {
+                pod_sandbox_metrics,
+            }
+        }))
     }
 
     type StreamPodSandboxesStream = ListStream<cri::StreamPodSandboxesResponse>;
