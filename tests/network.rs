@@ -801,7 +801,16 @@ async fn pod_metrics_count_the_pods_traffic_and_its_containers_cgroups() {
             "container_cpu_cfs_throttled_periods_total",
             &labels("busy"),
         );
-        if cpu.first().is_some_and(|&s| s >= 1) && throttled.first().is_some_and(|&n| n > 0) {
+        let throttled_secs = series(
+            &descs,
+            &busy.metrics,
+            "container_cpu_cfs_throttled_seconds_total",
+            &labels("busy"),
+        );
+        if cpu.first().is_some_and(|&s| s >= 1)
+            && throttled.first().is_some_and(|&n| n > 0)
+            && throttled_secs.first().is_some_and(|&s| s >= 1)
+        {
             break m;
         }
         assert!(
@@ -928,6 +937,22 @@ async fn pod_metrics_count_the_pods_traffic_and_its_containers_cgroups() {
         m.metrics.iter().map(|m| &m.name).collect::<Vec<_>>()
     );
 
+    // An exited container's cgroup stays until it is removed; its series go with its exit,
+    // and a stopped pod's with its stop.
+    rt.stop_container(cri::StopContainerRequest {
+        container_id: busy_id.clone(),
+        timeout: 0,
+    })
+    .await
+    .unwrap();
+    let m = metrics(&mut rt).await;
+    let left: Vec<&str> = m
+        .container_metrics
+        .iter()
+        .map(|c| c.container_id.as_str())
+        .collect();
+    assert_eq!(left, [web_id.as_str()], "series after busy exited");
+
     // crictl's view of the same.
     let crictl = support::which("crictl");
     if let Some(crictl) = crictl {
@@ -945,6 +970,21 @@ async fn pod_metrics_count_the_pods_traffic_and_its_containers_cgroups() {
         eprintln!("SKIPPED the crictl metricdescs check: no crictl");
     }
 
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    let after = rt
+        .list_pod_sandbox_metrics(cri::ListPodSandboxMetricsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .pod_metrics;
+    assert!(
+        after.iter().all(|m| m.pod_sandbox_id != pod),
+        "a stopped pod's series are still listed"
+    );
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

@@ -60,6 +60,10 @@ pub struct Detail {
     /// Processes the OOM killer ended in this cgroup (`oom_kill` of v1 `memory.oom_control`,
     /// v2 `memory.events`).
     pub oom_kills: u64,
+    /// Page faults of the cgroup's own tasks, children left out (v1 keeps both counts; on v2
+    /// these equal the sample's hierarchical ones).
+    pub own_page_faults: u64,
+    pub own_major_page_faults: u64,
 }
 
 /// A cgroup's `<resource>.pressure`: the share of time some or all of its tasks stalled.
@@ -267,7 +271,7 @@ fn read_sample(layout: &Layout, cgroups_path: &str, detailed: bool) -> std::io::
             let cpu = std::fs::read_to_string(dir.join("cpu.stat"))?;
             let usec = stat_value(&cpu, "usage_usec").unwrap_or(0);
             if detailed {
-                detail = Some(v2_detail(&dir, &cpu)?);
+                detail = detail_or_none(cgroups_path, v2_detail(&dir, &cpu));
             }
             (
                 usec.saturating_mul(1000),
@@ -287,7 +291,10 @@ fn read_sample(layout: &Layout, cgroups_path: &str, detailed: bool) -> std::io::
             let memory = dir("memory");
             let pids = dir("pids");
             if detailed {
-                detail = Some(v1_detail(&cpuacct, dir("cpu"), memory.as_deref())?);
+                detail = detail_or_none(
+                    cgroups_path,
+                    v1_detail(&cpuacct, dir("cpu"), memory.as_deref()),
+                );
             }
             (
                 ns.trim().parse().unwrap_or(0),
@@ -323,6 +330,8 @@ fn read_sample(layout: &Layout, cgroups_path: &str, detailed: bool) -> std::io::
     if let Some(d) = &mut detail {
         d.cache = get("total_cache", "file");
         d.mapped_file = get("total_mapped_file", "file_mapped");
+        d.own_page_faults = stat_value(&stat, "pgfault").unwrap_or(0);
+        d.own_major_page_faults = stat_value(&stat, "pgmajfault").unwrap_or(0);
         // v1 counts swap here (with swap accounting on); v2 in a file of its own.
         if let Some(swap) = stat_value(&stat, "total_swap") {
             d.swap = swap;
@@ -344,6 +353,12 @@ fn read_sample(layout: &Layout, cgroups_path: &str, detailed: bool) -> std::io::
     })
 }
 
+/// A detail reading that failed leaves the sample without detail, not without its reading.
+fn detail_or_none(cgroups_path: &str, read: std::io::Result<Detail>) -> Option<Detail> {
+    read.map_err(|e| tracing::debug!(cgroup = cgroups_path, error = %e, "no detailed reading"))
+        .ok()
+}
+
 /// A v1 cgroup's [`Detail`] but for what memory.stat gives (filled by the caller): CPU time
 /// by mode (`cpuacct.stat`, in clock ticks), CFS throttling (the cpu hierarchy's `cpu.stat`),
 /// peak usage, limit hits and OOM kills. A hierarchy the node does not mount counts 0.
@@ -360,7 +375,10 @@ fn v1_detail(
     };
     let (mut max_usage, mut limit_hits, mut oom_kills) = (None, 0, 0);
     if let Some(m) = memory {
-        max_usage = Some(read_u64(&m.join("memory.max_usage_in_bytes"))?);
+        max_usage = read_optional(&m.join("memory.max_usage_in_bytes"))?
+            .trim()
+            .parse()
+            .ok();
         limit_hits = read_u64(&m.join("memory.failcnt"))?;
         oom_kills =
             stat_value(&read_optional(&m.join("memory.oom_control"))?, "oom_kill").unwrap_or(0);
@@ -695,7 +713,7 @@ mod tests {
                 ),
                 (
                     "memory.stat",
-                    "cache 7\nmapped_file 1\nswap 3\ntotal_cache 6000\ntotal_mapped_file 500\ntotal_swap 4096\n",
+                    "cache 7\nmapped_file 1\nswap 3\npgfault 11\npgmajfault 1\ntotal_cache 6000\ntotal_mapped_file 500\ntotal_swap 4096\ntotal_pgfault 40\n",
                 ),
             ],
         );
@@ -724,10 +742,14 @@ mod tests {
             max_usage: Some(2_500_000),
             limit_hits: 4,
             oom_kills: 2,
+            own_page_faults: 11,
+            own_major_page_faults: 1,
         };
         assert_eq!(read_sample(&v1, c, true).unwrap().detail, Some(want));
         // A plain reading reads none of it.
         assert_eq!(read_sample(&v1, c, false).unwrap().detail, None);
+        // Children count in the hierarchical figure, not in the cgroup's own.
+        assert_eq!(read_sample(&v1, c, true).unwrap().page_faults, 40);
         // No cpu or memory hierarchy: their parts count 0.
         let bare = mounts(&[("cpuacct", "cpu,cpuacct")]);
         assert_eq!(
@@ -750,7 +772,7 @@ mod tests {
                 ("memory.current", "2000\n"),
                 (
                     "memory.stat",
-                    "anon 900\nfile 1000\nfile_mapped 300\ninactive_file 600\n",
+                    "anon 900\nfile 1000\nfile_mapped 300\ninactive_file 600\npgfault 9\npgmajfault 2\n",
                 ),
                 ("memory.swap.current", "8192\n"),
                 ("memory.peak", "7000\n"),
@@ -775,7 +797,30 @@ mod tests {
                 max_usage: Some(7000),
                 limit_hits: 6,
                 oom_kills: 1,
+                own_page_faults: 9,
+                own_major_page_faults: 2,
             })
+        );
+        // A detail file that cannot be read costs the detail, not the reading.
+        std::fs::remove_file(t.path().join("cpu,cpuacct").join(c).join("cpuacct.stat")).unwrap();
+        let s = read_sample(&v1, c, true).unwrap();
+        assert_eq!((s.cpu_usage_ns, s.detail), (123456789, None));
+        // v1 without a peak file: no peak, rather than 0.
+        std::fs::write(
+            t.path().join("cpu,cpuacct").join(c).join("cpuacct.stat"),
+            "user 1\nsystem 1\n",
+        )
+        .unwrap();
+        std::fs::remove_file(
+            t.path()
+                .join("memory")
+                .join(c)
+                .join("memory.max_usage_in_bytes"),
+        )
+        .unwrap();
+        assert_eq!(
+            read_sample(&v1, c, true).unwrap().detail.unwrap().max_usage,
+            None
         );
         // A kernel without memory.peak (before 5.19) keeps no peak.
         let Layout::V2(root) = &v2 else {

@@ -19,7 +19,7 @@ use hako_runtime::fsat::open_dir_nofollow;
 
 use super::host::now_nanos;
 use super::spec::pod_cgroup;
-use super::{ContainerRecord, ContainerView, PodView, Runtime};
+use super::{ContainerRecord, ContainerView, PodState, PodView, Runtime};
 use crate::error::{Error, Result};
 
 /// Resource usage of a container or pod, as the stats RPCs report it.
@@ -172,7 +172,10 @@ impl Runtime {
             .into_iter()
             .filter(|c| c.record.pod_id == pod.record.id)
             .collect();
-        self.pod_stats_of(pod, containers, Purpose::Stats).await
+        let mut stats = self
+            .pods_with_usage(vec![pod], containers, Purpose::Stats)
+            .await?;
+        Ok(stats.remove(0))
     }
 
     /// ListPodSandboxStats: the pods `keep` selects, with their containers. One round of
@@ -181,10 +184,12 @@ impl Runtime {
         self.list_pods_usage(keep, Purpose::Stats).await
     }
 
-    /// Every pod with its containers, their cgroups read in detail (see [`Purpose`]), for
-    /// ListPodSandboxMetrics. No CPU rates, no writable layer walks.
+    /// Every ready pod with its containers, their cgroups read in detail (see [`Purpose`]),
+    /// for ListPodSandboxMetrics. No CPU rates, no writable layer walks. A stopped sandbox is
+    /// left out: its pod's cgroup is its replacement's too, and would count twice.
     pub async fn list_pod_metrics(&self) -> Result<Vec<PodStats>> {
-        self.list_pods_usage(|_| true, Purpose::Metrics).await
+        self.list_pods_usage(|p| p.state == PodState::Ready, Purpose::Metrics)
+            .await
     }
 
     async fn list_pods_usage(
@@ -196,59 +201,89 @@ impl Runtime {
         if purpose == Purpose::Stats {
             self.prune_cpu_samples(Some(&pods), &containers);
         }
-        let mut by_pod: HashMap<String, Vec<ContainerView>> = HashMap::new();
-        for c in containers {
-            by_pod.entry(c.record.pod_id.clone()).or_default().push(c);
-        }
-        let mut out = Vec::new();
-        for pod in pods.into_iter().filter(|p| keep(p)) {
-            let cs = by_pod.remove(&pod.record.id).unwrap_or_default();
-            out.push(self.pod_stats_of(pod, cs, purpose).await?);
-        }
-        Ok(out)
+        let pods: Vec<PodView> = pods.into_iter().filter(|p| keep(p)).collect();
+        let wanted: HashSet<&str> = pods.iter().map(|p| p.record.id.as_str()).collect();
+        let containers: Vec<ContainerView> = containers
+            .into_iter()
+            .filter(|c| wanted.contains(c.record.pod_id.as_str()))
+            .collect();
+        self.pods_with_usage(pods, containers, purpose).await
     }
 
-    async fn pod_stats_of(
+    /// The stats of `pods`, each with its own of `containers`. All cgroups are read in one
+    /// round of at most `USAGE_READS_AT_ONCE` blocking tasks for the pods and one for the
+    /// containers: a round per pod cost more in hand-offs than its reads.
+    async fn pods_with_usage(
         &self,
-        pod: PodView,
+        pods: Vec<PodView>,
         containers: Vec<ContainerView>,
         purpose: Purpose,
-    ) -> Result<PodStats> {
-        let key = format!("pod/{}", pod.record.id);
-        let cgroup = pod_cgroup(&pod.record);
-        let netns = pod.record.namespaces.get("network").cloned();
-        let id = pod.record.id.clone();
-        let read_from = cgroup.clone();
-        let ((timestamp, sample), network) = blocking(move || {
-            // A pod has no process of its own for a stats reader to look through (kubelet's
-            // cAdvisor finds none): its network is read here, from its namespace.
-            let network = netns.and_then(|ns| match net_counters(Path::new(&ns)) {
-                Ok(n) => Some(n),
-                Err(e) => {
-                    tracing::debug!(pod = %id, netns = %ns, error = %e, "no network stats");
-                    None
+    ) -> Result<Vec<PodStats>> {
+        let mut by_pod: HashMap<String, Vec<(ContainerView, Usage)>> = HashMap::new();
+        for (c, u) in self.with_usage(containers, purpose).await? {
+            by_pod
+                .entry(c.record.pod_id.clone())
+                .or_default()
+                .push((c, u));
+        }
+        if pods.is_empty() {
+            return Ok(Vec::new());
+        }
+        let share = pods.len().div_ceil(USAGE_READS_AT_ONCE);
+        let tasks = pods.chunks(share).map(|chunk| {
+            let jobs: Vec<(String, String, Option<String>)> = chunk
+                .iter()
+                .map(|p| {
+                    let r = &p.record;
+                    (r.id.clone(), pod_cgroup(r), r.namespaces.get("network").cloned())
+                })
+                .collect();
+            blocking(move || {
+                Ok(jobs
+                    .into_iter()
+                    .map(|(id, cgroup, netns)| {
+                        // A pod has no process of its own for a stats reader to look through
+                        // (kubelet's cAdvisor finds none): its network is read here, from its
+                        // namespace.
+                        let network = netns.and_then(|ns| match net_counters(Path::new(&ns)) {
+                            Ok(n) => Some(n),
+                            Err(e) => {
+                                tracing::debug!(pod = %id, netns = %ns, error = %e, "no network stats");
+                                None
+                            }
+                        });
+                        let reading = cgroup_sample(&cgroup, purpose);
+                        (cgroup, reading, network)
+                    })
+                    .collect::<Vec<_>>())
+            })
+        });
+        let readings = futures::future::try_join_all(tasks).await?;
+        Ok(pods
+            .into_iter()
+            .zip(readings.into_iter().flatten())
+            .map(|(pod, (cgroup, (timestamp, sample), network))| {
+                let key = format!("pod/{}", pod.record.id);
+                let usage = Usage {
+                    timestamp,
+                    nano_cores: sample
+                        .filter(|_| purpose == Purpose::Stats)
+                        .and_then(|s| self.cpu_samples.rate(&key, timestamp, s.cpu_usage_ns)),
+                    sample,
+                    writable_bytes: 0,
+                    writable_inodes: 0,
+                    writable_mountpoint: PathBuf::new(),
+                };
+                let containers = by_pod.remove(&pod.record.id).unwrap_or_default();
+                PodStats {
+                    pod,
+                    cgroup,
+                    usage,
+                    network,
+                    containers,
                 }
-            });
-            Ok((cgroup_sample(&read_from, purpose), network))
-        })
-        .await?;
-        let usage = Usage {
-            timestamp,
-            nano_cores: sample
-                .filter(|_| purpose == Purpose::Stats)
-                .and_then(|s| self.cpu_samples.rate(&key, timestamp, s.cpu_usage_ns)),
-            sample,
-            writable_bytes: 0,
-            writable_inodes: 0,
-            writable_mountpoint: PathBuf::new(),
-        };
-        Ok(PodStats {
-            pod,
-            cgroup,
-            usage,
-            network,
-            containers: self.with_usage(containers, purpose).await?,
-        })
+            })
+            .collect())
     }
 
     /// Each view with its usage, in order. The readings run in at most

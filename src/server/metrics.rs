@@ -5,15 +5,19 @@
 //! Names, units and extra labels are cAdvisor's, and every metric starts with the labels
 //! kubelet's cAdvisor path gives it (`container`, `id`, `image`, `name`, `namespace`, `pod`),
 //! so that dashboards and alerts written against one path read the other: `id` is the cgroup,
-//! `name` hako's ID, and a pod's own series have an empty `container`, as cAdvisor's pod
-//! cgroups do. kubelet asks for the descriptors once, when it starts, and drops any metric
+//! `name` hako's ID, and a pod's own series have an empty `container` and `name`, as cAdvisor's
+//! pod cgroups do. Only what has a live cgroup is reported, as with cAdvisor: ready pods, and
+//! their created and running containers (an exited one keeps its cgroup, and its page cache
+//! and limit, until it is removed; reported, it would count twice in a pod's sums). kubelet asks for the descriptors once, when it starts, and drops any metric
 //! whose name they lack or whose label count differs; the tests below hold every metric to
 //! its descriptor. The CRI carries integers: seconds are whole seconds (as in CRI-O and
 //! containerd), and values are read when asked for (timestamp 0).
 
 use hako_proto::cri;
 
-use crate::pods::{ContainerView, PodStats, Usage};
+use hako_runtime::stats::Detail;
+
+use crate::pods::{ContainerState, ContainerView, PodStats, Usage};
 
 /// The labels every metric starts with, in this order.
 const BASE_LABELS: [&str; 6] = ["container", "id", "image", "name", "namespace", "pod"];
@@ -105,7 +109,7 @@ const FAILCNT: Desc = counter(
 const FAILURES: Desc = counter(
     "container_memory_failures_total",
     &["failure_type", "scope"],
-    "Page faults (failure_type pgfault or pgmajfault) in the cgroup and its children.",
+    "Page faults (failure_type pgfault or pgmajfault), of the cgroup's own tasks (scope container) or with its children (scope hierarchy).",
 );
 const OOM_EVENTS: Desc = counter(
     "container_oom_events_total",
@@ -126,7 +130,7 @@ const SPEC_CPU_SHARES: Desc = gauge(
 );
 const SPEC_CPU_QUOTA: Desc = gauge(
     "container_spec_cpu_quota",
-    "The container's CPU quota per period, in microseconds.",
+    "The container's CPU quota per period, in microseconds, when it has one.",
 );
 const SPEC_CPU_PERIOD: Desc = gauge(
     "container_spec_cpu_period",
@@ -292,8 +296,9 @@ impl Series {
         });
     }
 
-    /// What a cgroup reading gives: CPU, memory, tasks and pressure.
-    fn cgroup(&mut self, u: &Usage) {
+    /// What a cgroup reading gives: CPU, memory, tasks and pressure. The CFS counters only
+    /// for a cgroup with a CPU quota (`has_quota`), as cAdvisor.
+    fn cgroup(&mut self, u: &Usage, has_quota: impl Fn(&Detail) -> bool) {
         let Some(s) = u.sample else { return };
         self.put(&CPU_USAGE, &["total"], secs(s.cpu_usage_ns));
         self.put(&MEMORY_USAGE, &[], s.memory_usage);
@@ -306,9 +311,17 @@ impl Series {
         if let Some(d) = s.detail {
             self.put(&CPU_USER, &[], secs(d.cpu_user_ns));
             self.put(&CPU_SYSTEM, &[], secs(d.cpu_system_ns));
-            self.put(&CFS_PERIODS, &[], d.cfs_periods);
-            self.put(&CFS_THROTTLED_PERIODS, &[], d.cfs_throttled_periods);
-            self.put(&CFS_THROTTLED, &[], secs(d.cfs_throttled_ns));
+            if has_quota(&d) {
+                self.put(&CFS_PERIODS, &[], d.cfs_periods);
+                self.put(&CFS_THROTTLED_PERIODS, &[], d.cfs_throttled_periods);
+                self.put(&CFS_THROTTLED, &[], secs(d.cfs_throttled_ns));
+            }
+            self.put(&FAILURES, &["pgfault", "container"], d.own_page_faults);
+            self.put(
+                &FAILURES,
+                &["pgmajfault", "container"],
+                d.own_major_page_faults,
+            );
             self.put(&CACHE, &[], d.cache);
             self.put(&MAPPED_FILE, &[], d.mapped_file);
             self.put(&SWAP, &[], d.swap);
@@ -335,14 +348,26 @@ fn secs(ns: u64) -> u64 {
     ns / 1_000_000_000
 }
 
-/// ListPodSandboxMetrics' entry for one pod: its cgroup's and network's series, and each
-/// container's whose cgroup could be read (one that has exited has none left).
+/// Interfaces reported per pod: a pod with NET_ADMIN can make thousands, eight series each,
+/// and kubelet takes the whole node's metrics in one message of at most 16 MiB.
+const MAX_INTERFACES: usize = 16;
+
+/// ListPodSandboxMetrics' entry for one (ready) pod: its cgroup's and network's series, and
+/// those of each of its created or running containers whose cgroup could be read.
 pub fn pod_metrics(p: &PodStats) -> cri::PodSandboxMetrics {
     let record = &p.pod.record;
-    let mut pod = Series::new("", &p.cgroup, "", &record.id, p);
-    pod.cgroup(&p.usage);
+    let mut pod = Series::new("", &p.cgroup, "", "", p);
+    // A pod cgroup's quota is kubelet's: it has one when its periods count.
+    pod.cgroup(&p.usage, |d| d.cfs_periods > 0);
     pod.put(&START_TIME, &[], secs(record.created_at.max(0) as u64));
-    for n in p.network.iter().flatten() {
+    // The pod's own interface first, then the others the netns lists, up to the bound.
+    let mut ifaces: Vec<_> = p.network.iter().flatten().collect();
+    ifaces.sort_by_key(|n| n.name != crate::network::IFNAME);
+    if ifaces.len() > MAX_INTERFACES {
+        tracing::debug!(pod = %record.id, interfaces = ifaces.len(), "pod metrics report the first {MAX_INTERFACES} interfaces");
+        ifaces.truncate(MAX_INTERFACES);
+    }
+    for n in ifaces {
         let i = [n.name.as_str()];
         pod.put(&RX_BYTES, &i, n.rx_bytes);
         pod.put(&RX_PACKETS, &i, n.rx_packets);
@@ -359,7 +384,10 @@ pub fn pod_metrics(p: &PodStats) -> cri::PodSandboxMetrics {
         container_metrics: p
             .containers
             .iter()
-            .filter(|(_, u)| u.sample.is_some())
+            .filter(|(c, u)| {
+                matches!(c.state, ContainerState::Created | ContainerState::Running)
+                    && u.sample.is_some()
+            })
             .map(|(c, u)| container_metrics(c, u, p))
             .collect(),
     }
@@ -372,16 +400,19 @@ fn container_metrics(c: &ContainerView, u: &Usage, p: &PodStats) -> cri::Contain
     } else {
         &r.spec.user_image
     };
-    let mut s = Series::new(&r.spec.name, &r.cgroups_path, image, &r.id, p);
-    s.cgroup(u);
     let limits = &r.spec.resources;
+    // A quota of -1 (or none) is no quota.
+    let quota = limits.cpu_quota.filter(|&q| q > 0);
+    let mut s = Series::new(&r.spec.name, &r.cgroups_path, image, &r.id, p);
+    s.cgroup(u, |_| quota.is_some());
     if let Some(shares) = limits.cpu_shares {
         s.put(&SPEC_CPU_SHARES, &[], shares);
     }
-    // A quota of -1 (or none) is no quota; cAdvisor reports the period only beside one.
-    if let Some(quota) = limits.cpu_quota.filter(|&q| q > 0) {
+    if let Some(period) = limits.cpu_period {
+        s.put(&SPEC_CPU_PERIOD, &[], period);
+    }
+    if let Some(quota) = quota {
         s.put(&SPEC_CPU_QUOTA, &[], quota as u64);
-        s.put(&SPEC_CPU_PERIOD, &[], limits.cpu_period.unwrap_or(100_000));
     }
     if c.started_at > 0 {
         s.put(&START_TIME, &[], secs(c.started_at as u64));
@@ -397,7 +428,7 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::Arc;
 
-    use hako_runtime::stats::{Detail, Psi, PsiLine, Sample};
+    use hako_runtime::stats::{Psi, PsiLine, Sample};
 
     use super::*;
     use crate::pods::{
@@ -416,7 +447,12 @@ mod tests {
         }
     }
 
-    fn container(name: &str, spec: ContainerSpecReq, started_at: i64) -> ContainerView {
+    fn container(
+        name: &str,
+        spec: ContainerSpecReq,
+        state: ContainerState,
+        started_at: i64,
+    ) -> ContainerView {
         ContainerView {
             record: Arc::new(ContainerRecord {
                 v: 1,
@@ -430,7 +466,7 @@ mod tests {
                 image_ref: String::new(),
                 created_at: 0,
                 log_path: String::new(),
-                state: ContainerState::Running,
+                state,
                 started_at,
                 exit: None,
                 chain_ids: vec![],
@@ -439,7 +475,7 @@ mod tests {
                 user: None,
                 start_error: None,
             }),
-            state: ContainerState::Running,
+            state,
             started_at,
             exit: None,
             pid: 0,
@@ -447,7 +483,7 @@ mod tests {
     }
 
     /// A pod `web` in `default` with a running container `app` (limits, a full v2 reading)
-    /// and an exited one `done` whose cgroup is gone.
+    /// and an exited one `done` whose cgroup is still there.
     fn stats() -> PodStats {
         let psi = Some(Psi {
             some: PsiLine {
@@ -483,6 +519,8 @@ mod tests {
                 max_usage: Some(6000),
                 limit_hits: 3,
                 oom_kills: 1,
+                own_page_faults: 60,
+                own_major_page_faults: 1,
             }),
         };
         let mut limits = ContainerSpecReq {
@@ -532,10 +570,18 @@ mod tests {
             }]),
             containers: vec![
                 (
-                    container("app", limits, 1_700_000_001_000_000_000),
+                    container(
+                        "app",
+                        limits,
+                        ContainerState::Running,
+                        1_700_000_001_000_000_000,
+                    ),
                     usage(Some(app)),
                 ),
-                (container("done", Default::default(), 5), usage(None)),
+                (
+                    container("done", Default::default(), ContainerState::Exited, 5),
+                    usage(Some(Sample::default())),
+                ),
             ],
         }
     }
@@ -592,9 +638,9 @@ mod tests {
     fn a_pods_metrics_carry_its_readings_and_its_containers() {
         let m = pod_metrics(&stats());
         assert_eq!(m.pod_sandbox_id, "p1");
-        // The pod's own series: empty container and image, its cgroup and ID.
+        // The pod's own series: empty container, image and name, and its cgroup.
         let labels = &m.metrics[0].label_values[..6];
-        assert_eq!(labels, ["", "/kubepods/podu1", "", "p1", "default", "web"]);
+        assert_eq!(labels, ["", "/kubepods/podu1", "", "", "default", "web"]);
         let pod = values(&m.metrics);
         assert_eq!(pod["container_cpu_usage_seconds_total{total}"], 4);
         assert_eq!(pod["container_memory_usage_bytes"], 9000);
@@ -616,9 +662,10 @@ mod tests {
         assert_eq!(pod["container_network_transmit_errors_total{eth0}"], 4);
         // No detail and no pressure read: none reported, rather than zeros.
         assert!(!pod.contains_key("container_cpu_user_seconds_total"));
+        assert!(!pod.contains_key("container_cpu_cfs_periods_total"));
         assert!(!pod.contains_key("container_pressure_cpu_waiting_seconds_total"));
 
-        // Only the container whose cgroup was read.
+        // Not the exited container, whose cgroup is left until it is removed.
         assert_eq!(m.container_metrics.len(), 1);
         let app = &m.container_metrics[0];
         assert_eq!(app.container_id, "id-app");
@@ -651,6 +698,8 @@ mod tests {
             ("container_memory_failcnt", 3),
             ("container_memory_failures_total{pgfault,hierarchy}", 70),
             ("container_memory_failures_total{pgmajfault,hierarchy}", 2),
+            ("container_memory_failures_total{pgfault,container}", 60),
+            ("container_memory_failures_total{pgmajfault,container}", 1),
             ("container_oom_events_total", 1),
             ("container_threads", 4),
             ("container_spec_memory_limit_bytes", 64 << 20),
@@ -682,7 +731,7 @@ mod tests {
     }
 
     #[test]
-    fn no_quota_reports_neither_quota_nor_period() {
+    fn no_quota_reports_no_quota_and_no_cfs_counters() {
         let mut s = stats();
         let (c, _) = &mut s.containers[0];
         let mut r = (*c.record).clone();
@@ -691,7 +740,38 @@ mod tests {
         let m = pod_metrics(&s);
         let c = values(&m.container_metrics[0].metrics);
         assert!(!c.contains_key("container_spec_cpu_quota"), "{c:?}");
-        assert!(!c.contains_key("container_spec_cpu_period"), "{c:?}");
+        assert!(!c.contains_key("container_cpu_cfs_periods_total"), "{c:?}");
+        assert!(
+            !c.contains_key("container_cpu_cfs_throttled_seconds_total"),
+            "{c:?}"
+        );
+        assert_eq!(c["container_spec_cpu_period"], 100_000);
         assert_eq!(c["container_spec_cpu_shares"], 102);
+    }
+
+    #[test]
+    fn a_pods_interfaces_are_bounded_its_own_first() {
+        let mut s = stats();
+        let mut ifaces: Vec<NetCounters> = (0..40)
+            .map(|i| NetCounters {
+                name: format!("dummy{i}"),
+                ..Default::default()
+            })
+            .collect();
+        ifaces.push(NetCounters {
+            name: "eth0".into(),
+            rx_bytes: 5,
+            ..Default::default()
+        });
+        s.network = Some(ifaces);
+        let m = pod_metrics(&s);
+        let names: std::collections::BTreeSet<&str> = m
+            .metrics
+            .iter()
+            .filter(|m| m.name == "container_network_receive_bytes_total")
+            .map(|m| m.label_values[6].as_str())
+            .collect();
+        assert_eq!(names.len(), MAX_INTERFACES, "{names:?}");
+        assert!(names.contains("eth0"), "{names:?}");
     }
 }

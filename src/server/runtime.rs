@@ -727,9 +727,17 @@ impl RuntimeService for Runtime {
         _: Request<cri::ListPodSandboxMetricsRequest>,
     ) -> Result<Response<cri::ListPodSandboxMetricsResponse>, Status> {
         let pod_metrics = self.pod_metrics("ListPodSandboxMetrics").await?;
-        Ok(Response::new(cri::ListPodSandboxMetricsResponse {
-            pod_metrics,
-        }))
+        let answer = cri::ListPodSandboxMetricsResponse { pod_metrics };
+        // kubelet reads the whole node's metrics in one message of at most 16 MiB unless
+        // it streams them; past that it gets none at all.
+        let bytes = prost::Message::encoded_len(&answer);
+        if bytes > 12 << 20 {
+            tracing::warn!(
+                bytes,
+                "ListPodSandboxMetrics answer nears kubelet's 16 MiB message limit; kubelet's CRIListStreaming gate streams it instead"
+            );
+        }
+        Ok(Response::new(answer))
     }
 
     type StreamPodSandboxMetricsStream = ListStream<cri::StreamPodSandboxMetricsResponse>;
