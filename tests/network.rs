@@ -409,7 +409,7 @@ async fn plugins_get_the_cni_protocol_args_and_runtime_config() {
     net.plugin_script(
         "recorder",
         &format!(
-            r#"{{ echo "== $CNI_COMMAND"; echo "args=$CNI_ARGS"; echo "netns=$CNI_NETNS"; echo "ifname=$CNI_IFNAME"; echo "id=$CNI_CONTAINERID"; cat; echo; }} >> {log}
+            r#"{{ echo "== $CNI_COMMAND"; echo "args=$CNI_ARGS"; echo "netns=$CNI_NETNS"; echo "ifname=$CNI_IFNAME"; echo "id=$CNI_CONTAINERID"; echo "umask=$(umask)"; cat; echo; }} >> {log}
 if [ "$CNI_COMMAND" = ADD ]; then
   printf '{{"cniVersion":"1.0.0","interfaces":[{{"name":"eth0","sandbox":"%s"}}],"ips":[{{"address":"10.9.9.9/24","interface":0}},{{"address":"fd00::9/64","interface":0}}]}}' "$CNI_NETNS"
 fi"#,
@@ -484,6 +484,23 @@ fi"#,
     );
     let stdin: serde_json::Value = serde_json::from_str(add.lines().last().unwrap()).unwrap();
     assert_eq!(stdin["name"], "recorded");
+    // Plugins write files other tools read with the usual umask; the daemon keeps its 077 on
+    // every thread but the one that starts plugins.
+    assert!(add.contains("umask=0022"), "{add}");
+    let mut threads = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{}/task", h.pid())).unwrap() {
+        let t = t.unwrap().path();
+        let comm = std::fs::read_to_string(t.join("comm")).unwrap_or_default();
+        let status = std::fs::read_to_string(t.join("status")).unwrap_or_default();
+        if let Some(umask) = status.lines().find_map(|l| l.strip_prefix("Umask:")) {
+            threads.push((comm.trim().to_string(), umask.trim().to_string()));
+        }
+    }
+    assert!(threads.len() > 1, "{threads:?}");
+    for (comm, umask) in &threads {
+        let want = if comm == "cni-spawn" { "0022" } else { "0077" };
+        assert_eq!(umask, want, "thread {comm}: {threads:?}");
+    }
     assert_eq!(
         stdin["runtimeConfig"]["portMappings"],
         serde_json::json!([{"hostPort": 5353, "containerPort": 53, "protocol": "udp"}])
