@@ -377,7 +377,7 @@ impl Cni {
         }
         let what = format!("CNI plugin {kind} ({command}, network {})", cfg.name);
         let started = std::time::Instant::now();
-        let mut child = spawn_with_umask_022(cmd)
+        let mut child = spawn_with_umask_022(cmd, self.plugin_timeout)
             .await
             .map_err(|e| Error::Internal(format!("{what}: run {}: {e}", bin.display())))?;
         let group = GroupKiller(child.id());
@@ -457,62 +457,59 @@ pub fn pod_ips(result: &Value, ifname: &str) -> Vec<String> {
 /// Starts `cmd` with umask 022: plugins write files others read (leases, iptables locks), and
 /// the daemon's own umask is 077.
 ///
-/// The umask is set on one thread of its own that no other work runs on: `unshare(CLONE_FS)`
+/// The umask is set on a short-lived thread of its own, one per plugin: `unshare(CLONE_FS)`
 /// gives that thread its own umask (with its own copy of cwd and root), leaving the daemon's
 /// at 077, and a child started from there inherits it. So no `pre_exec` hook is needed, and
 /// std starts the plugin with `posix_spawn` (a vfork) rather than a fork of the whole daemon,
 /// whose page-table copy and copy-on-write faults were about a sixth of the daemon's CPU when
-/// pods started ten at a time. Should the unshare fail, each child sets its umask after a
-/// fork, as before.
+/// pods started ten at a time; a thread costs far less. Nothing but the spawn runs on it (a
+/// thread it made would share its umask). Should the unshare fail, the child sets its umask
+/// after a fork, as before. A spawn that does not return within `deadline` (an exec stuck
+/// on a hung filesystem) fails this call only; the plugin, should it start after all, is
+/// killed with its group.
 async fn spawn_with_umask_022(
     cmd: tokio::process::Command,
+    deadline: Duration,
 ) -> std::io::Result<tokio::process::Child> {
-    type Job = Box<dyn FnOnce(bool) + Send>;
-    static SPAWNER: std::sync::OnceLock<std::sync::mpsc::Sender<Job>> = std::sync::OnceLock::new();
-    let spawner = SPAWNER.get_or_init(|| {
-        let (tx, rx) = std::sync::mpsc::channel::<Job>();
-        std::thread::Builder::new()
-            .name("cni-spawn".into())
-            .spawn(move || {
-                let own_umask = match nix::sched::unshare(nix::sched::CloneFlags::CLONE_FS) {
-                    Ok(()) => {
-                        nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-                        true
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "CNI plugins start through a fork: no umask of their own for the spawning thread");
-                        false
-                    }
-                };
-                for job in rx {
-                    job(own_umask);
-                }
-            })
-            .expect("start the CNI spawning thread");
-        tx
-    });
     let runtime = tokio::runtime::Handle::current();
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let job: Job = Box::new(move |own_umask| {
-        // tokio registers the child with the runtime's process driver.
-        let _in_runtime = runtime.enter();
-        let mut cmd = cmd;
-        if !own_umask {
-            // SAFETY: umask(2) is async-signal-safe and touches nothing shared with the parent.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::umask(0o022);
-                    Ok(())
-                });
+    std::thread::Builder::new()
+        .name("cni-spawn".into())
+        .spawn(move || {
+            let mut cmd = cmd;
+            match nix::sched::unshare(nix::sched::CloneFlags::CLONE_FS) {
+                Ok(()) => {
+                    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "no umask of its own for a CNI plugin's spawning thread: the plugin starts through a fork");
+                    // SAFETY: umask(2) is async-signal-safe and touches nothing shared with
+                    // the parent.
+                    unsafe {
+                        cmd.pre_exec(|| {
+                            libc::umask(0o022);
+                            Ok(())
+                        });
+                    }
+                }
             }
-        }
-        let _ = tx.send(cmd.spawn());
-    });
-    if spawner.send(job).is_err() {
-        return Err(std::io::Error::other("the CNI spawning thread is gone"));
+            // tokio registers the child with the runtime's process driver.
+            let _in_runtime = runtime.enter();
+            if let Err(Ok(child)) = tx.send(cmd.spawn()) {
+                // Given up on while it started: it and what it started go.
+                drop(GroupKiller(child.id()));
+            }
+        })?;
+    match tokio::time::timeout(deadline, rx).await {
+        Ok(Ok(spawned)) => spawned,
+        Ok(Err(_)) => Err(std::io::Error::other(
+            "the spawning thread ended without a child",
+        )),
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("not started after {} s", deadline.as_secs()),
+        )),
     }
-    rx.await
-        .map_err(|_| std::io::Error::other("the CNI spawning thread dropped a plugin"))?
 }
 
 /// Kills a plugin's whole process group when the plugin is given up on (timeout, or the call
