@@ -518,23 +518,6 @@ fn read_trim(p: &Path) -> String {
         .to_string()
 }
 
-/// (rx_bytes, tx_bytes) of eth0 as the kernel counts them in `pid`'s network namespace.
-fn netns_eth0(pid: i32) -> (u64, u64) {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
-    let line = text
-        .lines()
-        .find(|l| l.trim_start().starts_with("eth0:"))
-        .unwrap_or_else(|| panic!("no eth0 in the pod's netns: {text}"));
-    let f: Vec<u64> = line
-        .split_once(':')
-        .unwrap()
-        .1
-        .split_whitespace()
-        .map(|v| v.parse().unwrap())
-        .collect();
-    (f[0], f[8])
-}
-
 /// Lines of hako's log after byte `from` that mention `needle` (colours taken out).
 fn hako_log_count(h: &Hako, from: usize, needle: &str) -> usize {
     let text = h.log_text();
@@ -919,7 +902,7 @@ async fn kubelet_runs_static_pods_on_hako() {
         .expect("hako reports the pod's network");
     let hako_eth0 = hako_net.default_interface.expect("a default interface");
     assert_eq!(hako_eth0.name, "eth0");
-    let (ns_rx, ns_tx) = netns_eth0(web_pid);
+    let (ns_rx, ns_tx) = cni::netns_eth0(web_pid);
     let hako_rx = hako_eth0.rx_bytes.unwrap().value;
     let hako_tx = hako_eth0.tx_bytes.unwrap().value;
     assert!(

@@ -896,20 +896,7 @@ async fn pod_metrics_count_the_pods_traffic_and_its_containers_cgroups() {
             >= one("container_cpu_usage_seconds_total", "busy", &busy.metrics)
     );
     // The pod's traffic: what the HTTP exchange moved, at most what the netns counted after.
-    let (ns_rx, ns_tx) = {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
-        let f: Vec<u64> = text
-            .lines()
-            .find(|l| l.trim_start().starts_with("eth0:"))
-            .unwrap()
-            .split_once(':')
-            .unwrap()
-            .1
-            .split_whitespace()
-            .map(|v| v.parse().unwrap())
-            .collect();
-        (f[0], f[8])
-    };
+    let (ns_rx, ns_tx) = cni::netns_eth0(pid);
     let eth0 = [("container", ""), ("interface", "eth0"), ("pod", "metered")];
     let rx = series(
         &descs,

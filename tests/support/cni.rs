@@ -173,3 +173,20 @@ pub fn netns_mounts_under(dir: &Path) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// (rx_bytes, tx_bytes) of eth0 as the kernel counts them in `pid`'s network namespace.
+pub fn netns_eth0(pid: i32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/net/dev")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("eth0:"))
+        .unwrap_or_else(|| panic!("no eth0 in the pod's netns: {text}"));
+    let f: Vec<u64> = line
+        .split_once(':')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .map(|v| v.parse().unwrap())
+        .collect();
+    (f[0], f[8])
+}
