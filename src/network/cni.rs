@@ -377,10 +377,19 @@ impl Cni {
         }
         let what = format!("CNI plugin {kind} ({command}, network {})", cfg.name);
         let started = std::time::Instant::now();
-        let mut child = spawn_with_umask_022(cmd, self.plugin_timeout)
+        // One deadline for the start and the run: a plugin gets `plugin_timeout` in all.
+        let deadline = tokio::time::Instant::now() + self.plugin_timeout;
+        let (mut child, group) = spawn_with_umask_022(cmd, deadline)
             .await
-            .map_err(|e| Error::Internal(format!("{what}: run {}: {e}", bin.display())))?;
-        let group = GroupKiller(child.id());
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::TimedOut => {
+                    Error::DeadlineExceeded(format!("{what}: run {}: {e}", bin.display()))
+                }
+                std::io::ErrorKind::WouldBlock => {
+                    Error::Unavailable(format!("{what}: run {}: {e}", bin.display()))
+                }
+                _ => Error::Internal(format!("{what}: run {}: {e}", bin.display())),
+            })?;
         let input = serde_json::to_vec(&conf).expect("plugin config serializes");
         let mut stdin = child.stdin.take().expect("piped stdin");
         let run = async {
@@ -389,7 +398,7 @@ impl Cni {
             drop(stdin);
             child.wait_with_output().await
         };
-        let out = match tokio::time::timeout(self.plugin_timeout, run).await {
+        let out = match tokio::time::timeout_at(deadline, run).await {
             Ok(Ok(out)) => {
                 group.disarm();
                 out
@@ -454,8 +463,15 @@ pub fn pod_ips(result: &Value, ifname: &str) -> Vec<String> {
     ips
 }
 
+/// Plugin starts whose spawning thread has not returned yet. A start stuck for good (an exec
+/// on a hung filesystem) keeps its thread; past this many, CNI calls fail at once instead of
+/// piling up threads and half-started children (STATUS runs behind every Status RPC).
+const MAX_SPAWNS_IN_FLIGHT: usize = 64;
+static SPAWNS_IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Starts `cmd` with umask 022: plugins write files others read (leases, iptables locks), and
-/// the daemon's own umask is 077.
+/// the daemon's own umask is 077. Returns the child with the guard that kills its process
+/// group unless disarmed.
 ///
 /// The umask is set on a short-lived thread of its own, one per plugin: `unshare(CLONE_FS)`
 /// gives that thread its own umask (with its own copy of cwd and root), leaving the daemon's
@@ -464,15 +480,33 @@ pub fn pod_ips(result: &Value, ifname: &str) -> Vec<String> {
 /// whose page-table copy and copy-on-write faults were about a sixth of the daemon's CPU when
 /// pods started ten at a time; a thread costs far less. Nothing but the spawn runs on it (a
 /// thread it made would share its umask). Should the unshare fail, the child sets its umask
-/// after a fork, as before. A spawn that does not return within `deadline` (an exec stuck
-/// on a hung filesystem) fails this call only; the plugin, should it start after all, is
-/// killed with its group.
+/// after a fork, as before. A spawn that does not return by `deadline` (an exec stuck on a
+/// hung filesystem) fails this call only (`TimedOut`); the plugin, should it start after all,
+/// is killed with its group, and so is one handed over to a caller that went away before
+/// taking it. At most `MAX_SPAWNS_IN_FLIGHT` spawns wait at once (`WouldBlock` past that).
 async fn spawn_with_umask_022(
     cmd: tokio::process::Command,
-    deadline: Duration,
-) -> std::io::Result<tokio::process::Child> {
+    deadline: tokio::time::Instant,
+) -> std::io::Result<(tokio::process::Child, GroupKiller)> {
+    use std::sync::atomic::Ordering;
+    if SPAWNS_IN_FLIGHT.fetch_add(1, Ordering::AcqRel) >= MAX_SPAWNS_IN_FLIGHT {
+        SPAWNS_IN_FLIGHT.fetch_sub(1, Ordering::AcqRel);
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::WouldBlock,
+            format!("{MAX_SPAWNS_IN_FLIGHT} plugin starts are still stuck (a hung exec?)"),
+        ));
+    }
+    // Released by the thread when its spawn returns, or here when no thread was made.
+    struct InFlight;
+    impl Drop for InFlight {
+        fn drop(&mut self) {
+            SPAWNS_IN_FLIGHT.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        }
+    }
+    let in_flight = InFlight;
     let runtime = tokio::runtime::Handle::current();
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, rx) =
+        tokio::sync::oneshot::channel::<std::io::Result<(GroupKiller, tokio::process::Child)>>();
     std::thread::Builder::new()
         .name("cni-spawn".into())
         .spawn(move || {
@@ -495,20 +529,24 @@ async fn spawn_with_umask_022(
             }
             // tokio registers the child with the runtime's process driver.
             let _in_runtime = runtime.enter();
-            if let Err(Ok(child)) = tx.send(cmd.spawn()) {
-                // Given up on while it started: it and what it started go.
-                drop(GroupKiller(child.id()));
-            }
+            // The guard travels with the child: dropped unreceived (the caller gave up before
+            // or after the send), it kills the plugin's group first (fields drop in order).
+            let spawned = cmd.spawn().map(|child| (GroupKiller(child.id()), child));
+            let _ = tx.send(spawned);
+            drop(in_flight);
         })?;
-    match tokio::time::timeout(deadline, rx).await {
-        Ok(Ok(spawned)) => spawned,
+    match tokio::time::timeout_at(deadline, rx).await {
+        Ok(Ok(spawned)) => spawned.map(|(group, child)| (child, group)),
         Ok(Err(_)) => Err(std::io::Error::other(
             "the spawning thread ended without a child",
         )),
-        Err(_) => Err(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("not started after {} s", deadline.as_secs()),
-        )),
+        Err(_) => {
+            tracing::warn!("a CNI plugin's start outlived its deadline; its thread stays until the exec returns");
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "not started by the plugin deadline",
+            ))
+        }
     }
 }
 
@@ -576,6 +614,79 @@ mod tests {
             "ips": [{"address": "127.0.0.1/8", "interface": 0}]
         });
         assert!(pod_ips(&lo, "eth0").is_empty());
+    }
+
+    /// Whether a process whose command line contains `marker` is alive.
+    fn alive(marker: &str) -> bool {
+        std::fs::read_dir("/proc").unwrap().flatten().any(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .map(|c| {
+                    String::from_utf8_lossy(&c)
+                        .replace('\0', " ")
+                        .contains(marker)
+                })
+                .unwrap_or(false)
+        })
+    }
+
+    fn group_of_sleepers(marker: &str) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new("sh");
+        // A child of the plugin, in its group: what a plugin starts must go with it.
+        cmd.args(["-c", &format!("sleep {marker} & sleep {marker}; wait")])
+            .process_group(0)
+            .kill_on_drop(true);
+        cmd
+    }
+
+    /// One test: both parts read and write the count of spawns in flight.
+    #[tokio::test]
+    async fn plugin_starts_given_up_on_leave_nothing_and_stuck_ones_are_bounded() {
+        use std::sync::atomic::Ordering;
+        let marker = format!("1000.{}1", std::process::id());
+        // A deadline already past: the start is given up on before the thread hands the
+        // child over (or, rarely, the child is back first; then try again).
+        let mut timed_out = false;
+        for _ in 0..50 {
+            match spawn_with_umask_022(group_of_sleepers(&marker), tokio::time::Instant::now())
+                .await
+            {
+                Err(e) => {
+                    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+                    timed_out = true;
+                    break;
+                }
+                Ok((child, group)) => drop((group, child)),
+            }
+        }
+        assert!(timed_out, "every start beat a deadline already past");
+        // The thread is done once the count is back to 0: the child it made is handed over
+        // to no one by then.
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while SPAWNS_IN_FLIGHT.load(Ordering::Acquire) > 0 || alive(&format!("sleep {marker}")) {
+            assert!(
+                std::time::Instant::now() < until,
+                "the plugin's group lives on"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        // As if that many spawning threads were stuck in an exec.
+        SPAWNS_IN_FLIGHT.fetch_add(MAX_SPAWNS_IN_FLIGHT, Ordering::AcqRel);
+        let marker = format!("1000.{}2", std::process::id());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let r = spawn_with_umask_022(group_of_sleepers(&marker), deadline).await;
+        SPAWNS_IN_FLIGHT.fetch_sub(MAX_SPAWNS_IN_FLIGHT, Ordering::AcqRel);
+        let e = r.err().expect("a start past the bound");
+        assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+        assert!(e.to_string().contains("still stuck"), "{e}");
+        assert!(!alive(&format!("sleep {marker}")));
+        // Below the bound again, a start goes ahead.
+        let (mut child, group) = spawn_with_umask_022(group_of_sleepers(&marker), deadline)
+            .await
+            .unwrap();
+        assert!(alive(&format!("sleep {marker}")));
+        drop(group);
+        let _ = child.wait().await;
     }
 
     #[test]
