@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::os::unix::ffi::OsStrExt;
 use std::time::Duration;
 
 use hako_proto::cri;
@@ -939,6 +940,28 @@ async fn pod_metrics_count_the_pods_traffic_and_its_containers_cgroups() {
     assert_eq!(
         s.metrics.iter().map(|m| &m.name).collect::<Vec<_>>(),
         m.metrics.iter().map(|m| &m.name).collect::<Vec<_>>()
+    );
+
+    // An interface name is bytes to the kernel, and the pod can make one that is not UTF-8:
+    // it costs that name its spelling, not the pod its network series.
+    let made = std::process::Command::new("nsenter")
+        .arg(format!("--net=/proc/{pid}/ns/net"))
+        .args(["ip", "link", "add"])
+        .arg(std::ffi::OsStr::from_bytes(b"\xff\xfe"))
+        .args(["type", "veth", "peer", "name", "hk-peer"])
+        .status()
+        .unwrap();
+    assert!(made.success(), "ip link add: {made}");
+    let m = metrics(&mut rt).await;
+    let names: std::collections::BTreeSet<String> = m
+        .metrics
+        .iter()
+        .filter(|m| m.name == "container_network_receive_bytes_total")
+        .map(|m| m.label_values[6].clone())
+        .collect();
+    assert!(
+        names.contains("eth0") && names.contains("hk-peer"),
+        "{names:?}"
     );
 
     // An exited container's cgroup stays until it is removed; its series go with its exit,

@@ -54,7 +54,7 @@ use crate::image::Images;
 use crate::network::Network;
 use crate::store::{Store, Table};
 use monitor_client::MonitorClient;
-pub use stats::{NetCounters, PodStats, Usage};
+pub use stats::{NetCounters, PodStats, Usage, MAX_INTERFACES};
 pub use types::*;
 
 /// A fresh 64-hex-digit id, as containerd's.

@@ -425,27 +425,45 @@ fn cgroup_sample(
     }
 }
 
-/// The counters of the interfaces in the network namespace bound at `netns`, loopback aside.
-/// Read on a thread of its own that joins the namespace and ends: /proc/thread-self/net/dev
-/// shows the reading thread's namespace, and a pool thread must not be left in a pod's.
-/// Blocking.
+/// Interfaces reported per pod: the pod's own (`eth0`) and the first others the netns lists.
+/// A pod with NET_ADMIN can make thousands, and each is eight metric series in kubelet's one
+/// message of at most 16 MiB (and a stats entry).
+pub const MAX_INTERFACES: usize = 16;
+
+/// How much of `/proc/net/dev` is read: about 8000 interfaces' lines, past what any pod
+/// network has, so that one with tens of thousands costs a bounded read.
+const NET_DEV_READ_LIMIT: u64 = 1 << 20;
+
+/// The counters of the interfaces in the network namespace bound at `netns`, loopback aside,
+/// at most `MAX_INTERFACES` of them with the pod's own first. Read on a thread of its own that
+/// joins the namespace and ends: /proc/thread-self/net/dev shows the reading thread's
+/// namespace, and a pool thread must not be left in a pod's. Blocking.
 pub(super) fn net_counters(netns: &Path) -> io::Result<Vec<NetCounters>> {
+    use std::io::Read;
     let ns = File::open(netns)?;
     std::thread::scope(|s| {
         s.spawn(|| {
             nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)?;
-            std::fs::read_to_string("/proc/thread-self/net/dev")
+            let mut text = Vec::new();
+            File::open("/proc/thread-self/net/dev")?
+                .take(NET_DEV_READ_LIMIT)
+                .read_to_end(&mut text)?;
+            Ok::<_, io::Error>(text)
         })
         .join()
         .map_err(|_| io::Error::other("the netns reader thread panicked"))?
     })
-    .map(|text| parse_net_dev(&text))
+    // Interface names are bytes to the kernel: one that is not UTF-8 (a pod can make it) is
+    // reported lossily rather than costing the pod its network readings.
+    .map(|text| parse_net_dev(&String::from_utf8_lossy(&text)))
 }
 
 /// `/proc/net/dev`: two header lines, then `name: rx(bytes packets errs drop fifo frame
-/// compressed multicast) tx(bytes packets errs drop fifo colls carrier compressed)`.
+/// compressed multicast) tx(bytes packets errs drop fifo colls carrier compressed)`. The pod's
+/// own interface first, then the others in the file's order, `MAX_INTERFACES` in all.
 fn parse_net_dev(text: &str) -> Vec<NetCounters> {
-    text.lines()
+    let mut out: Vec<NetCounters> = text
+        .lines()
         .skip(2)
         .filter_map(|l| {
             let (name, rest) = l.split_once(':')?;
@@ -466,7 +484,11 @@ fn parse_net_dev(text: &str) -> Vec<NetCounters> {
                 tx_dropped: f[11],
             })
         })
-        .collect()
+        .collect();
+    // A stable sort: the others keep the file's order behind it.
+    out.sort_by_key(|n| n.name != crate::network::IFNAME);
+    out.truncate(MAX_INTERFACES);
+    out
 }
 
 /// The disk use of the tree at `root`, within `limit`. Never follows a symlink: one counts as
@@ -658,6 +680,28 @@ mod tests {
                 tx_dropped: 1,
             }]
         );
+    }
+
+    #[test]
+    fn net_dev_keeps_the_pods_interface_and_a_bounded_number_of_others() {
+        let line = |n: &str| format!("{n}: 1 2 3 4 0 0 0 0 5 6 7 8 0 0 0 0\n");
+        let mut text = String::from("h1\nh2\n");
+        for i in 0..40 {
+            text.push_str(&line(&format!("d{i}")));
+        }
+        text.push_str(&line("eth0"));
+        let got = parse_net_dev(&text);
+        assert_eq!(got.len(), MAX_INTERFACES);
+        assert_eq!(got[0].name, "eth0");
+        assert_eq!((got[1].name.as_str(), got[2].name.as_str()), ("d0", "d1"));
+        // A name the kernel holds as bytes that are not UTF-8 costs only its own spelling.
+        let raw = [
+            b"h1\nh2\n".as_slice(),
+            b"\xff\xfe: 1 2 3 4 0 0 0 0 5 6 7 8 0 0 0 0\n",
+        ]
+        .concat();
+        let got = parse_net_dev(&String::from_utf8_lossy(&raw));
+        assert_eq!((got.len(), got[0].rx_bytes), (1, 1));
     }
 
     #[test]

@@ -348,9 +348,9 @@ fn secs(ns: u64) -> u64 {
     ns / 1_000_000_000
 }
 
-/// Interfaces reported per pod: a pod with NET_ADMIN can make thousands, eight series each,
-/// and kubelet takes the whole node's metrics in one message of at most 16 MiB.
-const MAX_INTERFACES: usize = 16;
+/// Interfaces reported per pod (the reading keeps no more; bounded here too, as what a
+/// message of kubelet's can hold is this file's concern).
+use crate::pods::MAX_INTERFACES;
 
 /// ListPodSandboxMetrics' entry for one (ready) pod: its cgroup's and network's series, and
 /// those of each of its created or running containers whose cgroup could be read.
@@ -378,20 +378,39 @@ pub fn pod_metrics(p: &PodStats) -> cri::PodSandboxMetrics {
         pod.put(&TX_DROPPED, &i, n.tx_dropped);
         pod.put(&TX_ERRORS, &i, n.tx_errors);
     }
-    cri::PodSandboxMetrics {
+    let mut answer = cri::PodSandboxMetrics {
         pod_sandbox_id: record.id.clone(),
         metrics: pod.out,
-        container_metrics: p
-            .containers
-            .iter()
-            .filter(|(c, u)| {
-                matches!(c.state, ContainerState::Created | ContainerState::Running)
-                    && u.sample.is_some()
-            })
-            .map(|(c, u)| container_metrics(c, u, p))
-            .collect(),
+        container_metrics: Vec::new(),
+    };
+    // Within the pod's budget: the pod author picks the label values' lengths and the number
+    // of containers, and kubelet takes the node's metrics in one 16 MiB message (or a streamed
+    // pod in one), so one pod could otherwise cost every tenant their metrics.
+    let mut bytes = prost::Message::encoded_len(&answer);
+    let mut left_out = 0;
+    for (c, u) in p.containers.iter().filter(|(c, u)| {
+        matches!(c.state, ContainerState::Created | ContainerState::Running) && u.sample.is_some()
+    }) {
+        let m = container_metrics(c, u, p);
+        let len = prost::Message::encoded_len(&m);
+        if bytes + len > POD_METRICS_BUDGET {
+            left_out += 1;
+            continue;
+        }
+        bytes += len;
+        answer.container_metrics.push(m);
     }
+    if left_out > 0 {
+        tracing::warn!(pod = %record.id, name = %record.spec.name, namespace = %record.spec.namespace, containers = left_out, "pod metrics over {POD_METRICS_BUDGET} bytes: containers left out");
+    }
+    answer
 }
+
+/// Encoded bytes of one pod's metrics. A container's series are about 20 KiB with labels of
+/// the longest names Kubernetes allows, so a pod of 50 such containers fits; a hundred pods
+/// at the budget would still pass kubelet's limit, but only when streamed (each pod is one
+/// item then).
+const POD_METRICS_BUDGET: usize = 1 << 20;
 
 fn container_metrics(c: &ContainerView, u: &Usage, p: &PodStats) -> cri::ContainerMetrics {
     let r = &c.record;
@@ -747,6 +766,40 @@ mod tests {
         );
         assert_eq!(c["container_spec_cpu_period"], 100_000);
         assert_eq!(c["container_spec_cpu_shares"], 102);
+    }
+
+    #[test]
+    fn a_pods_metrics_stay_within_its_budget() {
+        let mut s = stats();
+        let (app, reading) = s.containers[0].clone();
+        // Names as long as Kubernetes allows an image reference to be, 200 containers.
+        let image = format!("registry.example/{}:tag", "x".repeat(400));
+        s.containers = (0..200)
+            .map(|i| {
+                let mut r = (*app.record).clone();
+                r.id = format!("c{i:03}");
+                r.spec.name = format!("c{i:03}-{}", "n".repeat(58));
+                r.spec.user_image = image.clone();
+                let mut v = app.clone();
+                v.record = Arc::new(r);
+                (v, reading.clone())
+            })
+            .collect();
+        let m = pod_metrics(&s);
+        let bytes = prost::Message::encoded_len(&m);
+        assert!(bytes <= POD_METRICS_BUDGET, "{bytes}");
+        // The pod's own series are kept, and containers up to the budget, in order.
+        assert!(!m.metrics.is_empty());
+        let n = m.container_metrics.len();
+        assert!((20..200).contains(&n), "{n} containers");
+        assert_eq!(m.container_metrics[0].container_id, "c000");
+        assert_eq!(
+            m.container_metrics[n - 1].container_id,
+            format!("c{:03}", n - 1)
+        );
+        // Below the budget nothing is left out.
+        s.containers.truncate(5);
+        assert_eq!(pod_metrics(&s).container_metrics.len(), 5);
     }
 
     #[test]
