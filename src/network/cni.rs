@@ -684,7 +684,16 @@ mod tests {
         let (mut child, group) = spawn_with_umask_022(group_of_sleepers(&marker), deadline)
             .await
             .unwrap();
-        assert!(alive(&format!("sleep {marker}")));
+        // posix_spawn returns while the exec is still under way (the vfork parent resumes
+        // once the new image is mapped, before its name and arguments are set).
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while !alive(&format!("sleep {marker}")) {
+            assert!(
+                std::time::Instant::now() < until,
+                "the start did not go ahead"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         drop(group);
         let _ = child.wait().await;
     }
