@@ -11,7 +11,7 @@ use nix::sys::stat::Mode;
 
 /// Opens the directory `name` (relative to `dir`, or a path when none); fails (ELOOP,
 /// ENOTDIR) when its last component is a symlink or not a directory.
-pub fn open_dir_nofollow(dir: Option<&File>, name: &OsStr) -> std::io::Result<File> {
+pub fn open_dir_nofollow(dir: Option<&impl AsRawFd>, name: &OsStr) -> std::io::Result<File> {
     let fd = nix::fcntl::openat(
         dir.map(|d| d.as_raw_fd()),
         name,

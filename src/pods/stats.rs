@@ -8,6 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -505,21 +506,25 @@ pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
             w.inodes += 1;
         }
     };
-    let top = open_dir_nofollow(None, root.as_os_str())?;
+    let top = open_dir_nofollow(None::<&File>, root.as_os_str())?;
     count(&nix::sys::stat::fstat(top.as_raw_fd())?, &mut w);
-    let listing = entries_of(&top)?;
-    // One open directory (and its listing) per level of the current path.
-    let mut stack = vec![(top, listing)];
+    // One open directory, read through its own descriptor, per level of the current path.
+    let mut stack = vec![listing(top)?];
     let mut visited = 0u64;
     loop {
         let depth = stack.len();
-        let Some((dir, listing)) = stack.last_mut() else {
+        let Some(dir) = stack.last_mut() else {
             break;
         };
-        let Some(entry) = listing.next() else {
+        let Some(entry) = dir.next() else {
             stack.pop();
             continue;
         };
+        let Ok(entry) = entry else { continue };
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
         if visited >= limit.entries {
             w.stopped = Some("entries");
             break;
@@ -529,13 +534,9 @@ pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
             break;
         }
         visited += 1;
-        let Ok(entry) = entry else { continue };
-        let name = entry.file_name();
-        let Ok(st) = nix::sys::stat::fstatat(
-            Some(dir.as_raw_fd()),
-            name.as_os_str(),
-            AtFlags::AT_SYMLINK_NOFOLLOW,
-        ) else {
+        let Ok(st) =
+            nix::sys::stat::fstatat(Some(dir.as_raw_fd()), name, AtFlags::AT_SYMLINK_NOFOLLOW)
+        else {
             continue;
         };
         count(&st, &mut w);
@@ -546,20 +547,20 @@ pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
             w.stopped = Some("depth");
             continue;
         }
-        let Ok(child) = open_dir_nofollow(Some(&*dir), &name) else {
+        let name = std::ffi::OsStr::from_bytes(name.to_bytes());
+        let Ok(child) = open_dir_nofollow(Some(&*dir), name) else {
             continue;
         };
-        if let Ok(l) = entries_of(&child) {
-            stack.push((child, l));
+        if let Ok(l) = listing(child) {
+            stack.push(l);
         }
     }
     Ok(w)
 }
 
-/// The entries of an open directory (through its descriptor's /proc link, which names that
-/// very directory).
-fn entries_of(dir: &File) -> io::Result<std::fs::ReadDir> {
-    std::fs::read_dir(format!("/proc/self/fd/{}", dir.as_raw_fd()))
+/// The entries of an open directory, read through that descriptor (no path walk).
+fn listing(dir: File) -> io::Result<nix::dir::OwningIter> {
+    Ok(nix::dir::Dir::from(dir)?.into_iter())
 }
 
 #[cfg(test)]
