@@ -274,3 +274,30 @@ impl crate::streaming::Backend for PodStreams {
         crate::streaming::Backend::port_forward(&*self.daemon()?, pod_sandbox_id, port).await
     }
 }
+
+/// Gives the allocator's free pages back to the kernel a moment from now, once: after a list
+/// whose answer is built and encoded whole (ListPodSandboxMetrics: some 60 series of six or
+/// seven strings per pod, several MiB at a few hundred pods). glibc keeps what such a burst
+/// freed in its arenas, among the long-lived allocations it cannot release around, so the
+/// daemon's RSS stayed that much higher until the next burst (20.8 against 28.6 MiB at 250
+/// idle pods, docs/BENCHMARKS.md). The delay lets tonic encode and drop the answer first;
+/// calls that come while one is pending share it.
+pub fn trim_memory_soon() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static PENDING: AtomicBool = AtomicBool::new(false);
+    if PENDING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    tokio::spawn(async {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        PENDING.store(false, Ordering::Release);
+        let _ = tokio::task::spawn_blocking(|| {
+            #[cfg(target_env = "gnu")]
+            // SAFETY: malloc_trim only returns free memory of the allocator's own to the kernel.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        })
+        .await;
+    });
+}

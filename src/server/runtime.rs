@@ -35,6 +35,7 @@ pub(super) fn check_handler(daemon: &Daemon, handler: &str) -> Result<(), Error>
 impl Runtime {
     /// Every pod's metrics (ListPodSandboxMetrics and its stream).
     async fn pod_metrics(&self, rpc: &str) -> Result<Vec<cri::PodSandboxMetrics>, Status> {
+        crate::daemon::trim_memory_soon();
         Ok(self
             .daemon
             .runtime
