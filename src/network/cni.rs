@@ -463,11 +463,19 @@ pub fn pod_ips(result: &Value, ifname: &str) -> Vec<String> {
     ips
 }
 
-/// Plugin starts whose spawning thread has not returned yet. A start stuck for good (an exec
-/// on a hung filesystem) keeps its thread; past this many, CNI calls fail at once instead of
-/// piling up threads and half-started children (STATUS runs behind every Status RPC).
-const MAX_SPAWNS_IN_FLIGHT: usize = 64;
-static SPAWNS_IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Plugin starts given up on whose spawning thread has not returned yet. A start stuck for
+/// good (an exec on a hung filesystem) keeps its thread; past this many, CNI calls fail at
+/// once instead of piling up threads and half-started children (STATUS runs behind every
+/// Status RPC). Starts under way that nobody gave up on are not counted: a burst of pod
+/// starts is no reason to refuse one.
+const MAX_STUCK_SPAWNS: usize = 64;
+static STUCK_SPAWNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A spawning thread's state, shared with its caller: whoever moves it out of `WAITING`
+/// first decides whether the start counts as stuck.
+const WAITING: u8 = 0;
+const DONE: u8 = 1;
+const ABANDONED: u8 = 2;
 
 /// Starts `cmd` with umask 022: plugins write files others read (leases, iptables locks), and
 /// the daemon's own umask is 077. Returns the child with the guard that kills its process
@@ -483,27 +491,22 @@ static SPAWNS_IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::Ato
 /// after a fork, as before. A spawn that does not return by `deadline` (an exec stuck on a
 /// hung filesystem) fails this call only (`TimedOut`); the plugin, should it start after all,
 /// is killed with its group, and so is one handed over to a caller that went away before
-/// taking it. At most `MAX_SPAWNS_IN_FLIGHT` spawns wait at once (`WouldBlock` past that).
+/// taking it. While `MAX_STUCK_SPAWNS` such starts have not returned, calls fail at once
+/// (`WouldBlock`).
 async fn spawn_with_umask_022(
     cmd: tokio::process::Command,
     deadline: tokio::time::Instant,
 ) -> std::io::Result<(tokio::process::Child, GroupKiller)> {
-    use std::sync::atomic::Ordering;
-    if SPAWNS_IN_FLIGHT.fetch_add(1, Ordering::AcqRel) >= MAX_SPAWNS_IN_FLIGHT {
-        SPAWNS_IN_FLIGHT.fetch_sub(1, Ordering::AcqRel);
+    use std::sync::atomic::{AtomicU8, Ordering};
+    let stuck = STUCK_SPAWNS.load(Ordering::Acquire);
+    if stuck >= MAX_STUCK_SPAWNS {
         return Err(std::io::Error::new(
             std::io::ErrorKind::WouldBlock,
-            format!("{MAX_SPAWNS_IN_FLIGHT} plugin starts are still stuck (a hung exec?)"),
+            format!("{stuck} earlier plugin starts never returned (an exec on a hung filesystem?)"),
         ));
     }
-    // Released by the thread when its spawn returns, or here when no thread was made.
-    struct InFlight;
-    impl Drop for InFlight {
-        fn drop(&mut self) {
-            SPAWNS_IN_FLIGHT.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        }
-    }
-    let in_flight = InFlight;
+    let state = std::sync::Arc::new(AtomicU8::new(WAITING));
+    let thread_state = state.clone();
     let runtime = tokio::runtime::Handle::current();
     let (tx, rx) =
         tokio::sync::oneshot::channel::<std::io::Result<(GroupKiller, tokio::process::Child)>>();
@@ -533,7 +536,9 @@ async fn spawn_with_umask_022(
             // or after the send), it kills the plugin's group first (fields drop in order).
             let spawned = cmd.spawn().map(|child| (GroupKiller(child.id()), child));
             let _ = tx.send(spawned);
-            drop(in_flight);
+            if thread_state.swap(DONE, Ordering::AcqRel) == ABANDONED {
+                STUCK_SPAWNS.fetch_sub(1, Ordering::AcqRel);
+            }
         })?;
     match tokio::time::timeout_at(deadline, rx).await {
         Ok(Ok(spawned)) => spawned.map(|(group, child)| (child, group)),
@@ -541,7 +546,12 @@ async fn spawn_with_umask_022(
             "the spawning thread ended without a child",
         )),
         Err(_) => {
-            tracing::warn!("a CNI plugin's start outlived its deadline; its thread stays until the exec returns");
+            if state
+                .compare_exchange(WAITING, ABANDONED, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                STUCK_SPAWNS.fetch_add(1, Ordering::AcqRel);
+            }
             Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 "not started by the plugin deadline",
@@ -659,10 +669,10 @@ mod tests {
             }
         }
         assert!(timed_out, "every start beat a deadline already past");
-        // The thread is done once the count is back to 0: the child it made is handed over
+        // The thread is done once no start counts as stuck: the child it made is handed over
         // to no one by then.
         let until = std::time::Instant::now() + Duration::from_secs(5);
-        while SPAWNS_IN_FLIGHT.load(Ordering::Acquire) > 0 || alive(&format!("sleep {marker}")) {
+        while STUCK_SPAWNS.load(Ordering::Acquire) > 0 || alive(&format!("sleep {marker}")) {
             assert!(
                 std::time::Instant::now() < until,
                 "the plugin's group lives on"
@@ -671,14 +681,14 @@ mod tests {
         }
 
         // As if that many spawning threads were stuck in an exec.
-        SPAWNS_IN_FLIGHT.fetch_add(MAX_SPAWNS_IN_FLIGHT, Ordering::AcqRel);
+        STUCK_SPAWNS.fetch_add(MAX_STUCK_SPAWNS, Ordering::AcqRel);
         let marker = format!("1000.{}2", std::process::id());
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         let r = spawn_with_umask_022(group_of_sleepers(&marker), deadline).await;
-        SPAWNS_IN_FLIGHT.fetch_sub(MAX_SPAWNS_IN_FLIGHT, Ordering::AcqRel);
+        STUCK_SPAWNS.fetch_sub(MAX_STUCK_SPAWNS, Ordering::AcqRel);
         let e = r.err().expect("a start past the bound");
         assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
-        assert!(e.to_string().contains("still stuck"), "{e}");
+        assert!(e.to_string().contains("never returned"), "{e}");
         assert!(!alive(&format!("sleep {marker}")));
         // Below the bound again, a start goes ahead.
         let (mut child, group) = spawn_with_umask_022(group_of_sleepers(&marker), deadline)

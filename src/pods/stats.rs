@@ -72,8 +72,8 @@ enum Purpose {
 }
 
 /// Bounds of one walk of a writable layer. Its content is the container's to shape: millions
-/// of entries, or a nesting deeper than the daemon's descriptors (one open directory and its
-/// listing per level). Stats must stay cheap whatever it holds; past a bound the walk stops
+/// of entries, or a nesting deeper than the daemon's descriptors (one open directory per
+/// level). Stats must stay cheap whatever it holds; past a bound the walk stops
 /// and what it counted is reported (a lower bound).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct WalkLimit {
@@ -83,7 +83,8 @@ pub(super) struct WalkLimit {
 }
 
 /// A real layer of a million files is walked in well under a second with a warm cache; 64
-/// levels hold 128 descriptors per walk, `USAGE_READS_AT_ONCE` walks at a time.
+/// levels hold 64 descriptors per walk, `USAGE_READS_AT_ONCE` walks at a time. Every
+/// directory entry read counts (`.` and `..` too, and so does each read that fails).
 const LAYER_WALK: WalkLimit = WalkLimit {
     entries: 1_000_000,
     depth: 64,
@@ -516,15 +517,6 @@ pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
         let Some(dir) = stack.last_mut() else {
             break;
         };
-        let Some(entry) = dir.next() else {
-            stack.pop();
-            continue;
-        };
-        let Ok(entry) = entry else { continue };
-        let name = entry.file_name();
-        if name == c"." || name == c".." {
-            continue;
-        }
         if visited >= limit.entries {
             w.stopped = Some("entries");
             break;
@@ -534,6 +526,16 @@ pub(super) fn walk(root: &Path, limit: WalkLimit) -> io::Result<Walked> {
             break;
         }
         visited += 1;
+        // A directory that cannot be read on ends its listing: readdir would give the same
+        // error again on every call (a failing disk), and the walk would never end.
+        let Some(Ok(entry)) = dir.next() else {
+            stack.pop();
+            continue;
+        };
+        let name = entry.file_name();
+        if name == c"." || name == c".." {
+            continue;
+        }
         let Ok(st) =
             nix::sys::stat::fstatat(Some(dir.as_raw_fd()), name, AtFlags::AT_SYMLINK_NOFOLLOW)
         else {

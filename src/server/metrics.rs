@@ -392,7 +392,9 @@ pub fn pod_metrics(p: &PodStats) -> cri::PodSandboxMetrics {
         matches!(c.state, ContainerState::Created | ContainerState::Running) && u.sample.is_some()
     }) {
         let m = container_metrics(c, u, p);
+        // As an element of the repeated field: its tag and length prefix too.
         let len = prost::Message::encoded_len(&m);
+        let len = 1 + prost::encoding::encoded_len_varint(len as u64) + len;
         if bytes + len > POD_METRICS_BUDGET {
             left_out += 1;
             continue;

@@ -35,8 +35,7 @@ pub(super) fn check_handler(daemon: &Daemon, handler: &str) -> Result<(), Error>
 impl Runtime {
     /// Every pod's metrics (ListPodSandboxMetrics and its stream).
     async fn pod_metrics(&self, rpc: &str) -> Result<Vec<cri::PodSandboxMetrics>, Status> {
-        crate::daemon::trim_memory_soon();
-        Ok(self
+        let answer = self
             .daemon
             .runtime
             .list_pod_metrics()
@@ -44,7 +43,10 @@ impl Runtime {
             .map_err(|e| status(rpc, e))?
             .iter()
             .map(metrics::pod_metrics)
-            .collect())
+            .collect();
+        // Built: what remains is tonic's encoding, well within the trim's delay.
+        crate::daemon::trim_memory_soon();
+        Ok(answer)
     }
 }
 
