@@ -120,6 +120,33 @@ async fn pod_and_container_lifecycle() {
     let running = listed.iter().find(|c| c.id == sid).unwrap();
     assert_eq!(running.state, cri::ContainerState::ContainerRunning as i32);
     assert_traces_present(&h, &mut rt, &pod, &sid).await;
+    // The pod's IPC and UTS namespaces are its own, held by its monitor, which joined them:
+    // no bind mount pins them. Only the network namespace is pinned (CNI DEL needs its path
+    // whatever becomes of the monitor).
+    let ns = |pid: i32, kind: &str| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap();
+    let ctr = container_pid(&mut rt, &sid).await;
+    let monitor = monitor_pid(&mut rt, &pod).await.as_raw();
+    for kind in ["ipc", "uts"] {
+        assert_eq!(ns(ctr, kind), ns(monitor, kind), "{kind}");
+        assert_ne!(
+            ns(ctr, kind),
+            ns(std::process::id() as i32, kind),
+            "{kind} is the host's"
+        );
+    }
+    let pins: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(" nsfs ") && l.contains(&pod))
+        .map(str::to_string)
+        .collect();
+    // This pod shares a PID namespace too: it is pinned beside the network one.
+    let mut pinned: Vec<&str> = pins
+        .iter()
+        .filter_map(|l| l.split_whitespace().nth(4)?.rsplit('/').next())
+        .collect();
+    pinned.sort();
+    assert_eq!(pinned, ["net", "pid"], "{pins:?}");
     rt.stop_container(cri::StopContainerRequest {
         container_id: sid.clone(),
         timeout: 10,
