@@ -9,8 +9,9 @@
 //! 10 at a time, no runtime), 10 RunPodSandbox in flight and 10 CreateContainer+StartContainer
 //! in flight (`HAKO_BENCH_ROUNDS` rounds, default 5), and a burst of 50 pods with one
 //! container each issued at once. Last, 100 and then 250 idle pods per runtime (one runtime at
-//! a time): ListContainers, ListPodSandbox and ListContainerStats latency from a gRPC client
-//! (`HAKO_BENCH_LISTS` calls), the daemon's RSS and the PSS of the per-pod processes.
+//! a time): ListContainers, ListPodSandbox, ListContainerStats and ListPodSandboxMetrics
+//! latency from a gRPC client (`HAKO_BENCH_LISTS` calls), the daemon's RSS and the PSS of the
+//! per-pod processes, then CreateContainer+StartContainer 10 in flight among them (3 rounds).
 //!
 //! Runtimes: hako (this build), hako from `HAKO_BENCH_BASE` (another build's binary, for a
 //! before and after in one run), Debian's containerd 1.6 and containerd 2.x when
@@ -18,7 +19,9 @@
 //!
 //! `cargo bench --bench pods` (as root; needs docker-registry, containerd, runc, Go).
 //! `HAKO_BENCH_HAKO_ONLY=1` leaves containerd out; `HAKO_BENCH_DENSITY=100` picks the idle pod
-//! counts; `HAKO_BENCH_PODS`, `HAKO_BENCH_ROUNDS`, `HAKO_BENCH_LISTS` size the rest.
+//! counts; `HAKO_BENCH_PODS`, `HAKO_BENCH_ROUNDS`, `HAKO_BENCH_LISTS` size the rest;
+//! `HAKO_BENCH_NO_METRICS=1` lists no metrics; `HAKO_BENCH_MARKS=1` prints the 10-in-flight
+//! phases' bounds for perf; `HAKO_BENCH_STATE_ON_DISK=1` keeps state dirs off tmpfs.
 
 mod common;
 #[path = "../tests/support/mod.rs"]
@@ -500,6 +503,39 @@ async fn teardown(r: &Runtime, pods: Vec<String>, parallel: usize) {
     .await;
 }
 
+/// With `HAKO_BENCH_MARKS=1`, prints `MARK <what> <CLOCK_MONOTONIC seconds>` to stderr: the
+/// phases' bounds for a `perf record -k CLOCK_MONOTONIC` of the run (docs/BENCHMARKS.md).
+fn mark(what: &str) {
+    if std::env::var_os("HAKO_BENCH_MARKS").is_some() {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes the timespec it is given.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+        eprintln!("MARK {what} {}.{:09}", t.tv_sec, t.tv_nsec);
+    }
+}
+
+/// CPU time the whole machine has spent busy (every CPU, user and system), in ms, from
+/// /proc/stat (10 ms ticks: a figure over a batch of calls is good to a few ticks).
+fn busy_cpu_ms() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap();
+    let f: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap())
+        .collect();
+    // user nice system idle iowait irq softirq steal: all but idle and iowait.
+    let busy = f[0] + f[1] + f[2] + f[5] + f[6] + f.get(7).copied().unwrap_or(0.0);
+    // SAFETY: sysconf reads a constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    busy * 1000.0 / hz
+}
+
 /// 10 RunPodSandbox in flight, then 10 CreateContainer+StartContainer in flight (one into
 /// each of those pods), on the bridge network: each call's time (ms), and each round's median.
 async fn ten_in_flight(
@@ -512,6 +548,8 @@ async fn ten_in_flight(
     let cfgs: Vec<_> = (0..10)
         .map(|k| net_pod_config(&format!("par-{round}-{k}")))
         .collect();
+    let cpu_before = busy_cpu_ms();
+    mark("RunPodSandbox start");
     let runs = futures::future::join_all(cfgs.iter().map(|cfg| {
         let mut c = common::Clients {
             runtime: c.runtime.clone(),
@@ -526,6 +564,13 @@ async fn ten_in_flight(
         }
     }))
     .await;
+    mark("RunPodSandbox end");
+    medians
+        .entry("RunPodSandbox, CPU ms per call")
+        .or_default()
+        .push((busy_cpu_ms() - cpu_before) / runs.len() as f64);
+    let cpu_before = busy_cpu_ms();
+    mark("CreateContainer+StartContainer start");
     let starts = futures::future::join_all(runs.iter().zip(&cfgs).map(|((pod, _), cfg)| {
         let mut c = common::Clients {
             runtime: c.runtime.clone(),
@@ -540,6 +585,13 @@ async fn ten_in_flight(
         }
     }))
     .await;
+    mark("CreateContainer+StartContainer end");
+    // The machine's CPU time per call (all processes: the runtime's, its plugins' and the
+    // containers' own first moments), as the calls finish.
+    medians
+        .entry("CreateContainer+StartContainer, CPU ms per call")
+        .or_default()
+        .push((busy_cpu_ms() - cpu_before) / starts.len() as f64);
     let mut pod_t: Vec<f64> = runs.iter().map(|r| r.1).collect();
     let mut ctr_t = starts.clone();
     medians
@@ -621,6 +673,48 @@ async fn idle_pods(r: &Runtime, pods: &mut Vec<String>, target: usize) {
     pods.extend(made);
 }
 
+/// CreateContainer+StartContainer 10 in flight at the runtime's current density: into 10 new
+/// host-network pods (started untimed, then removed), `rounds` times; each call's time (ms).
+/// Every container create reads the node's mount table, which the idle pods have grown.
+async fn creates_at_density(r: &Runtime, rounds: usize) -> Vec<f64> {
+    let c = client(&r.socket).await;
+    let mut times = Vec::new();
+    for round in 0..rounds {
+        let cfgs: Vec<_> = (0..10)
+            .map(|k| pod_config(&format!("dense-{round}-{k}")))
+            .collect();
+        let pods = futures::future::join_all(cfgs.iter().map(|cfg| {
+            let mut c = common::Clients {
+                runtime: c.runtime.clone(),
+                images: c.images.clone(),
+            };
+            async move {
+                run_pod(&mut c, cfg)
+                    .await
+                    .unwrap_or_else(|e| panic!("{}: {e}", r.name))
+            }
+        }))
+        .await;
+        let took = futures::future::join_all(pods.iter().zip(&cfgs).map(|(pod, cfg)| {
+            let mut c = common::Clients {
+                runtime: c.runtime.clone(),
+                images: c.images.clone(),
+            };
+            async move {
+                let t = Instant::now();
+                create_start(&mut c, pod, cfg, container_config())
+                    .await
+                    .unwrap_or_else(|e| panic!("{}: {e}", r.name));
+                t.elapsed().as_secs_f64() * 1e3
+            }
+        }))
+        .await;
+        times.extend(took);
+        teardown(r, pods, 10).await;
+    }
+    times
+}
+
 /// List latencies at the runtime's current density (ms), as kubelet's relist issues them.
 async fn list_latencies(r: &Runtime, n: usize) -> BTreeMap<&'static str, Vec<f64>> {
     let mut c = client(&r.socket).await;
@@ -646,12 +740,14 @@ async fn list_latencies(r: &Runtime, n: usize) -> BTreeMap<&'static str, Vec<f64
                 .unwrap();
             record(&mut times, "ListContainerStats", t);
             // kubelet's /metrics/cadvisor scrape under PodAndContainerStatsFromCRI; a runtime
-            // without it (containerd 1.6) gets no figure.
+            // without it (containerd 1.6) gets no figure. HAKO_BENCH_NO_METRICS leaves it out
+            // (what the lists alone leave in the daemon's memory).
             let t = Instant::now();
-            if c.runtime
-                .list_pod_sandbox_metrics(cri::ListPodSandboxMetricsRequest::default())
-                .await
-                .is_ok()
+            if std::env::var_os("HAKO_BENCH_NO_METRICS").is_none()
+                && c.runtime
+                    .list_pod_sandbox_metrics(cri::ListPodSandboxMetricsRequest::default())
+                    .await
+                    .is_ok()
             {
                 record(&mut times, "ListPodSandboxMetrics", t);
             }
@@ -785,8 +881,8 @@ fn main() {
             .filter_map(|s| s.trim().parse().ok())
             .collect();
         println!("\nIdle pods (host network, one `sleep` container each): list latency from a gRPC client ({listing} calls, ListContainerStats and ListPodSandboxMetrics every 10th) and memory:");
-        println!("| runtime | pods | ListContainers p50 (p99) ms | ListPodSandbox p50 (p99) ms | ListContainerStats p50 (p99) ms | ListPodSandboxMetrics p50 (p99) ms | daemon RSS MiB (anonymous) | daemon RSS MiB, 12 s later | per-pod PSS MiB ({{processes}}) |");
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!("| runtime | pods | ListContainers p50 (p99) ms | ListPodSandbox p50 (p99) ms | ListContainerStats p50 (p99) ms | ListPodSandboxMetrics p50 (p99) ms | daemon RSS MiB (anonymous) | daemon RSS MiB, 12 s later | per-pod PSS MiB ({{processes}}) | CreateContainer+StartContainer, 10 in flight, p50 (p99) ms | mountinfo lines |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
         for r in &runtimes {
             let mut pods = Vec::new();
             for &target in &densities {
@@ -811,14 +907,18 @@ fn main() {
                 // background; glibc's malloc keeps what it keeps).
                 tokio::time::sleep(std::time::Duration::from_secs(12)).await;
                 let settled = rss_kib(r.child.id() as i32);
+                let lines = std::fs::read_to_string("/proc/self/mountinfo").unwrap().lines().count();
+                let mut creates = creates_at_density(r, 3).await;
                 println!(
-                    "| {} | {target} | {lc} | {lp} | {ls} | {lm} | {:.1} ({:.1}) | {:.1} | {:.2} ({}) |",
+                    "| {} | {target} | {lc} | {lp} | {ls} | {lm} | {:.1} ({:.1}) | {:.1} | {:.2} ({}) | {:.2} ({:.2}) | {lines} |",
                     r.name,
                     rss as f64 / 1024.0,
                     anon as f64 / 1024.0,
                     settled as f64 / 1024.0,
                     per_pod as f64 / 1024.0 / target as f64,
                     procs.len(),
+                    percentile(&mut creates, 0.5),
+                    percentile(&mut creates, 0.99),
                 );
             }
             teardown(r, pods, 10).await;

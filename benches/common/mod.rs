@@ -25,7 +25,34 @@ impl Drop for Runtime {
             nix::sys::signal::Signal::SIGTERM,
         );
         let _ = self.child.wait();
+        let _ = nix::mount::umount2(
+            &self.dir.path().join("state"),
+            nix::mount::MntFlags::MNT_DETACH,
+        );
     }
+}
+
+/// A runtime's state directory, `dir/state`: a tmpfs of its own, as `/run` is on a node
+/// (`/run/hako`, `/run/containerd`), for every runtime alike. This machine's `/run` and
+/// `/var/tmp` are ext4 without a journal, where each new inode is found by scanning past
+/// the recently deleted ones (`recently_deleted` in `find_inode_bit`): with pods made and
+/// removed by the hundred, that scan was a fifth of hako's daemon CPU and an eighth of its
+/// monitors' (docs/BENCHMARKS.md). `HAKO_BENCH_STATE_ON_DISK=1` leaves it on the disk, as
+/// runs before 2026-11-27 had it.
+pub fn state_dir(dir: &Path) -> PathBuf {
+    let state = dir.join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    if std::env::var_os("HAKO_BENCH_STATE_ON_DISK").is_none() {
+        nix::mount::mount(
+            Some("tmpfs"),
+            &state,
+            Some("tmpfs"),
+            nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV,
+            Some("mode=0711"),
+        )
+        .expect("a tmpfs for the runtime's state");
+    }
+    state
 }
 
 pub fn wait_socket(p: &Path, child: &mut Child, what: &str) {
@@ -94,7 +121,7 @@ pub fn start_hako_bin(
             "listen = \"{}\"\nroot = \"{}\"\nstate = \"{}\"\n{cni}[registry]\nconfig_path = \"{}\"\n{extra}",
             socket.display(),
             root.display(),
-            dir.path().join("state").display(),
+            state_dir(dir.path()).display(),
             certs.display()
         ),
     )
@@ -148,7 +175,7 @@ state = "{state}"
     config_path = "{certs}"
 "#,
             root = root.display(),
-            state = dir.path().join("state").display(),
+            state = state_dir(dir.path()).display(),
             sock = socket.display(),
             certs = certs.display()
         ),
@@ -244,7 +271,7 @@ state = "{state}"
   restrict_oom_score_adj = true
 {cni}"#,
             root = root.display(),
-            state = dir.path().join("state").display(),
+            state = state_dir(dir.path()).display(),
             sock = socket.display(),
             certs = certs.display()
         ),
