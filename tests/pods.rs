@@ -120,18 +120,24 @@ async fn pod_and_container_lifecycle() {
     let running = listed.iter().find(|c| c.id == sid).unwrap();
     assert_eq!(running.state, cri::ContainerState::ContainerRunning as i32);
     assert_traces_present(&h, &mut rt, &pod, &sid).await;
-    // The pod's IPC and UTS namespaces are its own, held by its monitor, which joined them:
-    // no bind mount pins them. Only the network namespace is pinned (CNI DEL needs its path
-    // whatever becomes of the monitor).
+    // The pod's IPC and UTS namespaces are its own, held open by its monitor, which stays in
+    // the runtime's (the host's) itself: no bind mount pins them. Only the network namespace
+    // (and a shared PID one) is pinned: CNI DEL needs its path whatever becomes of the monitor.
     let ns = |pid: i32, kind: &str| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap();
     let ctr = container_pid(&mut rt, &sid).await;
     let monitor = monitor_pid(&mut rt, &pod).await.as_raw();
+    let held: Vec<std::path::PathBuf> = std::fs::read_dir(format!("/proc/{monitor}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+        .collect();
+    let host = std::process::id() as i32;
     for kind in ["ipc", "uts"] {
-        assert_eq!(ns(ctr, kind), ns(monitor, kind), "{kind}");
-        assert_ne!(
-            ns(ctr, kind),
-            ns(std::process::id() as i32, kind),
-            "{kind} is the host's"
+        assert!(held.contains(&ns(ctr, kind)), "{kind}: {held:?}");
+        assert_ne!(ns(ctr, kind), ns(host, kind), "{kind} is the host's");
+        assert_eq!(
+            ns(monitor, kind),
+            ns(host, kind),
+            "the monitor left the host's {kind}"
         );
     }
     let pins: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
@@ -1409,6 +1415,34 @@ async fn a_monitor_answers_bad_calls_with_errors_and_keeps_serving() {
         String::from_utf8_lossy(&msg).contains("bad request"),
         "{msg:?}"
     );
+    // A spec joining a PID namespace by a pid that is none of the pod's running containers
+    // (TARGET whose container exited after the daemon looked it up) is refused before any
+    // process is made: the pid may name another process by then.
+    let bundle = tempfile::tempdir().unwrap();
+    std::fs::write(
+        bundle.path().join("config.json"),
+        serde_json::to_vec(&serde_json::json!({
+            "ociVersion": "1.0.2",
+            "linux": {"namespaces": [{"type": "pid", "path": "/proc/1/ns/pid"}, {"type": "mount"}]}
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    let req = hako_proto::monitor::CreateContainerRequest {
+        id: "target-gone".into(),
+        bundle: bundle.path().display().to_string(),
+        log_path: logs.path().join("target-gone.log").display().to_string(),
+        ..Default::default()
+    };
+    let (status, msg) = call(
+        Method::CreateContainer as u8,
+        prost::Message::encode_to_vec(&req),
+    )
+    .await
+    .unwrap();
+    let msg = String::from_utf8_lossy(&msg);
+    assert_eq!(status, code::FAILED_PRECONDITION, "{msg}");
+    assert!(msg.contains("pid 1) is no longer running"), "{msg}");
     let mut c = tokio::net::UnixStream::connect(&short).await.unwrap();
     c.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
     assert!(

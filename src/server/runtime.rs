@@ -466,7 +466,14 @@ impl RuntimeService for Runtime {
         };
         if req.verbose {
             let pod = &view.record;
-            let mut info = serde_json::json!({"monitorPid": pod.monitor_pid, "namespaces": pod.namespaces, "spec": pod.spec});
+            // Only the pinned ones: the IPC and UTS namespaces are held by the monitor, their
+            // paths meaningful only to its own descendants.
+            let namespaces: std::collections::BTreeMap<&String, &String> = pod
+                .namespaces
+                .iter()
+                .filter(|(_, p)| !p.starts_with("/proc/"))
+                .collect();
+            let mut info = serde_json::json!({"monitorPid": pod.monitor_pid, "namespaces": namespaces, "spec": pod.spec});
             // CRI's pod status has no reason field: why a Ready pod is reported NotReady.
             if let Some(why) = &view.unanswered {
                 info["notReadyReason"] = why.as_str().into();

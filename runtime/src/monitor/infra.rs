@@ -1,8 +1,8 @@
 //! The pod's namespaces, with no pause image: the monitor forks an infra process that
 //! unshares the namespaces the pod gets of its own (network, IPC, UTS, and PID when the pod
 //! shares one), sets the hostname, brings up loopback and applies network sysctls. The monitor
-//! then bind-mounts the network and PID namespace files under `<pod dir>/ns/` and joins the
-//! IPC and UTS namespaces itself (see `join_ipc_uts`); containers join them all by path.
+//! then bind-mounts the network and PID namespace files under `<pod dir>/ns/` and holds the
+//! IPC and UTS ones open (see `hold_ipc_uts`); containers join them all by path.
 //! With a pod PID namespace the infra process is its PID 1: it reaps the orphans of the pod.
 //! Without one it exits as soon as the namespaces are held, so an idle pod is the monitor
 //! alone; a pod that shares every namespace with the host forks nothing.
@@ -226,13 +226,13 @@ pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>)> {
         }
     }
     let pinned = pin(opts, infra).and_then(|mut paths| {
-        join_ipc_uts(opts, infra)?.into_iter().for_each(|(k, v)| {
+        hold_ipc_uts(opts, infra)?.into_iter().for_each(|(k, v)| {
             paths.insert(k, v);
         });
         Ok(paths)
     });
     if pinned.is_err() || !ns.pid {
-        // The bind mounts now hold the namespaces; nothing needs the process.
+        // The pins and the monitor now hold the namespaces; nothing needs the process.
         let _ = nix::sys::signal::kill(infra, nix::sys::signal::Signal::SIGKILL);
         let _ = waitpid(infra, None);
     }
@@ -276,32 +276,36 @@ fn pin(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
     Ok(paths)
 }
 
-/// The monitor joins the pod's IPC and UTS namespaces itself (it uses neither), so they live
-/// as long as it does with no bind mount to hold them: two fewer mounts per pod in every
-/// mountinfo on the node, which libcontainer reads a dozen times per container create on
-/// cgroup v1 under the node-wide mount lock, and two fewer unmounts at stop. Nothing needs them
-/// once the monitor is gone (a lost monitor's pod is released). Containers join them by the
-/// monitor's `/proc/<pid>/ns/` paths: a container is made by the monitor's own child, while the
-/// monitor lives, so the pid cannot name another process then.
-fn join_ipc_uts(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
+/// The pod's IPC and UTS namespaces are held by descriptors the monitor keeps open, not by
+/// bind mounts: two fewer mounts per pod in every mountinfo on the node, which libcontainer
+/// reads a dozen times per container create on cgroup v1 under the node-wide mount lock, and
+/// two fewer unmounts at stop. Nothing needs them once the monitor is gone (a lost monitor's
+/// pod is released). Containers join them by `/proc/self/fd/<n>`: a container's init is a
+/// descendant of the monitor (through its forked helper and libcontainer's clones, none of
+/// which exec before the namespaces are joined), so it has the same descriptor at the same
+/// number, and the path can name nothing else. The monitor itself stays in the namespaces it
+/// was started in (the runtime's), where OCI hooks run.
+fn hold_ipc_uts(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
+    use std::os::fd::AsRawFd;
     let ns = opts.namespaces;
-    let me = std::process::id();
     let mut paths = HashMap::new();
-    for (kind, flag, wanted) in [
-        ("ipc", CloneFlags::CLONE_NEWIPC, ns.ipc),
-        ("uts", CloneFlags::CLONE_NEWUTS, ns.uts),
-    ] {
+    let mut held = Vec::new();
+    for (kind, wanted) in [("ipc", ns.ipc), ("uts", ns.uts)] {
         if !wanted {
             continue;
         }
         let source = format!("/proc/{}/ns/{kind}", infra.as_raw());
         let f = std::fs::File::open(&source).map_err(|e| Error::io("open", &source, e))?;
-        nix::sched::setns(&f, flag)
-            .map_err(|e| Error::sys(format!("join the pod's {kind} namespace"), e))?;
-        paths.insert(kind.to_string(), format!("/proc/{me}/ns/{kind}"));
+        paths.insert(kind.to_string(), format!("/proc/self/fd/{}", f.as_raw_fd()));
+        held.push(f);
     }
+    HELD.set(held)
+        .map_err(|_| Error::Helper("the pod's namespaces are held already".into()))?;
     Ok(paths)
 }
+
+/// The pod's IPC and UTS namespaces, for as long as the monitor lives.
+static HELD: std::sync::OnceLock<Vec<std::fs::File>> = std::sync::OnceLock::new();
 
 /// Releases pinned namespaces (unmounts the bind mounts; `ipc` and `uts` too, which monitors
 /// of earlier builds pinned).

@@ -312,6 +312,7 @@ pub(super) fn in_helper(
 ) -> Result<nix::unistd::Pid, Status> {
     use std::io::Write;
     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| err("pipe", e))?;
+    let monitor = nix::unistd::getpid();
     // SAFETY: the monitor runs a current-thread runtime and no other thread.
     match unsafe { nix::unistd::fork() }.map_err(|e| err("fork helper", e))? {
         nix::unistd::ForkResult::Child => {
@@ -321,7 +322,15 @@ pub(super) fn in_helper(
                 // SAFETY: the child's copy of the listener; nothing in the child uses it.
                 unsafe { libc::close(listener) };
             }
-            let msg = match f() {
+            // A helper never outlives its monitor: what it would create then has no pod to
+            // answer for it.
+            let orphaned = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).is_err()
+                || nix::unistd::getppid() != monitor;
+            let msg = match if orphaned {
+                Err(Status::failed_precondition("the pod's monitor is gone"))
+            } else {
+                f()
+            } {
                 Ok(pid) => format!("P{}\n", pid.as_raw()),
                 Err(s) => format!("E{}:{}\n", s.code(), s.message().replace('\n', " ")),
             };
@@ -550,6 +559,8 @@ impl Svc {
                 req.id
             )));
         }
+        // No await from here to the helper's fork: the check holds until the create.
+        self.check_pid_target(&req.id, std::path::Path::new(&req.bundle))?;
         let log = Arc::new(Mutex::new(
             LogWriter::open(std::path::Path::new(&req.log_path))
                 .map_err(|e| err(format!("open log {}", req.log_path), e))?,
@@ -664,6 +675,56 @@ impl Svc {
         Ok(pb::CreateContainerResponse {
             pid: pid.as_raw() as u32,
         })
+    }
+
+    /// A spec that joins another container's PID namespace (TARGET) names it by that
+    /// container's pid, looked up by the daemon before the call: the container must still be
+    /// one of this pod's, not exited, or the pid may since name another process. Checked with
+    /// no await before the create, so the reaper cannot free the pid in between (an exit
+    /// leaves a zombie until reaped here).
+    fn check_pid_target(&self, id: &str, bundle: &std::path::Path) -> Result<(), Status> {
+        let config = bundle.join("config.json");
+        let raw =
+            std::fs::read(&config).map_err(|e| err(format!("read {}", config.display()), e))?;
+        if !raw.windows(7).any(|w| w == b"/ns/pid") {
+            return Ok(());
+        }
+        let spec: serde_json::Value = serde_json::from_slice(&raw)
+            .map_err(|e| err(format!("parse {}", config.display()), e))?;
+        let path = spec
+            .pointer("/linux/namespaces")
+            .and_then(|n| n.as_array())
+            .into_iter()
+            .flatten()
+            .find(|n| n["type"] == "pid")
+            .and_then(|n| n["path"].as_str());
+        // The pod's own shared namespace is a pin under its directory; any path through a
+        // process is a container's, by its pid.
+        let Some(path) = path.filter(|p| p.starts_with("/proc/")) else {
+            return Ok(());
+        };
+        let Some(target) = path
+            .strip_prefix("/proc/")
+            .and_then(|p| p.strip_suffix("/ns/pid"))
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            return Err(Status::invalid_argument(format!(
+                "container {id}: PID namespace path {path:?} names no process"
+            )));
+        };
+        let st = self.state.lock().expect("state");
+        let live = st.infra_pid.map(|p| p.as_raw()) == Some(target)
+            || st
+                .containers
+                .values()
+                .any(|c| c.pid.as_raw() == target && c.phase != Phase::Exited);
+        if live {
+            Ok(())
+        } else {
+            Err(Status::failed_precondition(format!(
+                "container {id}: the container whose PID namespace it joins (pid {target}) is no longer running in this pod"
+            )))
+        }
     }
 
     async fn start_container(&self, req: pb::ContainerRef) -> Result<pb::ContainerState, Status> {
