@@ -392,9 +392,7 @@ pub fn pod_metrics(p: &PodStats) -> cri::PodSandboxMetrics {
         matches!(c.state, ContainerState::Created | ContainerState::Running) && u.sample.is_some()
     }) {
         let m = container_metrics(c, u, p);
-        // As an element of the repeated field: its tag and length prefix too.
-        let len = prost::Message::encoded_len(&m);
-        let len = 1 + prost::encoding::encoded_len_varint(len as u64) + len;
+        let len = element_len(&m);
         if bytes + len > POD_METRICS_BUDGET {
             left_out += 1;
             continue;
@@ -409,10 +407,66 @@ pub fn pod_metrics(p: &PodStats) -> cri::PodSandboxMetrics {
 }
 
 /// Encoded bytes of one pod's metrics. A container's series are about 20 KiB with labels of
-/// the longest names Kubernetes allows, so a pod of 50 such containers fits; a hundred pods
-/// at the budget would still pass kubelet's limit, but only when streamed (each pod is one
-/// item then).
+/// the longest names Kubernetes allows, so a pod of 50 such containers fits. Streamed, each
+/// pod is one item; a unary answer is fitted node-wide by [`fit_node_metrics`].
 const POD_METRICS_BUDGET: usize = 1 << 20;
+
+/// Bytes of a message's element in a repeated field: its tag, length prefix and body.
+pub(super) fn element_len(m: &impl prost::Message) -> usize {
+    let len = m.encoded_len();
+    1 + prost::encoding::encoded_len_varint(len as u64) + len
+}
+
+/// Fits a whole node's pod metrics into `limit` bytes of one ListPodSandboxMetrics answer.
+///
+/// A kubelet that does not stream reads the answer in one message of at most 16 MiB and gets
+/// nothing at all past that, so a few pods at their own budget would cost every pod on the
+/// node its metrics. Over the limit, every pod gets the same share (the largest one for which
+/// all of them fit, so pods under it lose nothing) and a pod over it keeps its own series and
+/// as many of its containers, in order, as the share holds. Returns how many containers were
+/// left out.
+pub fn fit_node_metrics(pods: &mut [cri::PodSandboxMetrics], limit: usize) -> usize {
+    let sizes: Vec<usize> = pods.iter().map(element_len).collect();
+    if sizes.iter().sum::<usize>() <= limit {
+        return 0;
+    }
+    // The share: the largest `cap` with sum(min(size, cap)) <= limit, found over the sizes
+    // sorted ascending (pods below the cap count whole, the rest count `cap` each).
+    let mut sorted = sizes.clone();
+    sorted.sort_unstable();
+    let (mut below, mut cap) = (0usize, 0usize);
+    for (i, &s) in sorted.iter().enumerate() {
+        let rest = sorted.len() - i;
+        if below + s * rest > limit {
+            cap = (limit - below) / rest;
+            break;
+        }
+        below += s;
+    }
+    let mut left_out = 0;
+    for (pod, size) in pods.iter_mut().zip(sizes) {
+        if size <= cap {
+            continue;
+        }
+        // A message's length is the sum of its fields'.
+        let mut body = prost::Message::encoded_len(pod)
+            - pod.container_metrics.iter().map(element_len).sum::<usize>();
+        let mut kept = 0;
+        for c in &pod.container_metrics {
+            let len = element_len(c);
+            // The pod's element: its tag and a length prefix of at most 5 bytes, then body.
+            if 1 + 5 + body + len > cap {
+                break;
+            }
+            body += len;
+            kept += 1;
+        }
+        left_out += pod.container_metrics.len() - kept;
+        tracing::warn!(pod = %pod.pod_sandbox_id, containers = pod.container_metrics.len() - kept, "pod metrics over the node's share of one ListPodSandboxMetrics answer ({cap} bytes): containers left out");
+        pod.container_metrics.truncate(kept);
+    }
+    left_out
+}
 
 fn container_metrics(c: &ContainerView, u: &Usage, p: &PodStats) -> cri::ContainerMetrics {
     let r = &c.record;
@@ -802,6 +856,67 @@ mod tests {
         // Below the budget nothing is left out.
         s.containers.truncate(5);
         assert_eq!(pod_metrics(&s).container_metrics.len(), 5);
+    }
+
+    /// A pod's metrics with one series of its own and `n` containers of one series each,
+    /// label values `len` bytes long.
+    fn fat_pod(id: &str, n: usize, len: usize) -> cri::PodSandboxMetrics {
+        let metric = |v: &str| cri::Metric {
+            name: "container_threads".into(),
+            label_values: vec![v.repeat(len)],
+            ..Default::default()
+        };
+        cri::PodSandboxMetrics {
+            pod_sandbox_id: id.into(),
+            metrics: vec![metric("p")],
+            container_metrics: (0..n)
+                .map(|i| cri::ContainerMetrics {
+                    container_id: format!("{id}-c{i:03}"),
+                    metrics: vec![metric("c")],
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_nodes_metrics_fit_one_message_each_pod_its_share() {
+        let size = |pods: &[cri::PodSandboxMetrics]| pods.iter().map(element_len).sum::<usize>();
+        let node = || {
+            vec![
+                fat_pod("small", 2, 100),
+                fat_pod("fat1", 300, 1000),
+                fat_pod("mid", 20, 1000),
+                fat_pod("fat2", 300, 1000),
+            ]
+        };
+        let limit = 200_000;
+        // Within the limit nothing is left out.
+        let mut pods = node();
+        let whole = size(&pods);
+        assert_eq!(fit_node_metrics(&mut pods, whole), 0);
+        assert_eq!(pods, node());
+
+        let mut pods = node();
+        let left_out = fit_node_metrics(&mut pods, limit);
+        let after = size(&pods);
+        assert!(after <= limit, "{after} > {limit}");
+        let kept: Vec<usize> = pods.iter().map(|p| p.container_metrics.len()).collect();
+        assert_eq!(left_out, 622 - kept.iter().sum::<usize>());
+        // Pods under the share lose nothing; the two fat ones get the same, and each keeps
+        // its own series and its first containers, in order.
+        assert_eq!((kept[0], kept[2]), (2, 20), "{kept:?}");
+        assert_eq!(kept[1], kept[3], "{kept:?}");
+        assert!((50..300).contains(&kept[1]), "{kept:?}");
+        for (p, want) in pods.iter().zip(node()) {
+            assert_eq!(p.metrics, want.metrics);
+            assert_eq!(
+                p.container_metrics[..],
+                want.container_metrics[..p.container_metrics.len()]
+            );
+        }
+        // The share is the largest that fits: one more container each would not.
+        let one = element_len(&node()[1].container_metrics[0]);
+        assert!(after + 2 * one > limit, "{after} leaves room in {limit}");
     }
 
     #[test]

@@ -112,6 +112,10 @@ type EventStream =
 pub(super) const STREAM_CHUNK: usize = 256;
 pub(super) const STREAM_CHUNK_BYTES: usize = 1 << 20;
 
+/// What one unary ListPodSandboxMetrics answer may take: kubelet's 16 MiB receive limit less
+/// room for the response's own framing.
+const UNARY_METRICS_LIMIT: usize = (16 << 20) - (64 << 10);
+
 pub(super) type ListStream<T> = Pin<Box<dyn futures::Stream<Item = Result<T, Status>> + Send>>;
 
 /// `items` as a stream of responses within `STREAM_CHUNK` items and `STREAM_CHUNK_BYTES`,
@@ -121,11 +125,7 @@ where
     I: prost::Message + Send + 'static,
     T: Send + 'static,
 {
-    let lengths = chunk_lengths(items.iter().map(|i| {
-        // As a repeated field of the response: its tag and length prefix too.
-        let len = i.encoded_len();
-        1 + prost::encoding::encoded_len_varint(len as u64) + len
-    }));
+    let lengths = chunk_lengths(items.iter().map(metrics::element_len));
     let mut items = items.into_iter();
     let chunks: Vec<Result<T, Status>> = lengths
         .into_iter()
@@ -736,18 +736,19 @@ impl RuntimeService for Runtime {
         &self,
         _: Request<cri::ListPodSandboxMetricsRequest>,
     ) -> Result<Response<cri::ListPodSandboxMetricsResponse>, Status> {
-        let pod_metrics = self.pod_metrics("ListPodSandboxMetrics").await?;
-        let answer = cri::ListPodSandboxMetricsResponse { pod_metrics };
-        // kubelet reads the whole node's metrics in one message of at most 16 MiB unless
-        // it streams them; past that it gets none at all.
-        let bytes = prost::Message::encoded_len(&answer);
-        if bytes > 12 << 20 {
+        let mut pod_metrics = self.pod_metrics("ListPodSandboxMetrics").await?;
+        // kubelet reads the whole node's metrics in one message of at most 16 MiB unless it
+        // streams them (its CRIListStreaming gate); past that it would get none at all.
+        let left_out = metrics::fit_node_metrics(&mut pod_metrics, UNARY_METRICS_LIMIT);
+        if left_out > 0 {
             tracing::warn!(
-                bytes,
-                "ListPodSandboxMetrics answer nears kubelet's 16 MiB message limit; kubelet's CRIListStreaming gate streams it instead"
+                containers = left_out,
+                "ListPodSandboxMetrics: the node's metrics fill kubelet's 16 MiB message; containers left out (kubelet's CRIListStreaming gate streams them whole)"
             );
         }
-        Ok(Response::new(answer))
+        Ok(Response::new(cri::ListPodSandboxMetricsResponse {
+            pod_metrics,
+        }))
     }
 
     type StreamPodSandboxMetricsStream = ListStream<cri::StreamPodSandboxMetricsResponse>;
