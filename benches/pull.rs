@@ -14,7 +14,11 @@
 //! `cargo bench --bench pull` (as root; needs docker-registry, containerd and runc).
 //! `HAKO_BENCH_ROUNDS` sets the number of pulls per runtime (default 5), `HAKO_BENCH_COLD`
 //! the cold starts per runtime and image (default 3; 0 skips that part), `HAKO_BENCH_LOG`
-//! hako's log filter (`hako::image=debug` prints where each layer's time went).
+//! hako's log filter (`hako::image=debug` prints where each layer's time went). For a closer
+//! look at the cold starts: `HAKO_BENCH_ROUNDS=0` skips the pulls, `HAKO_BENCH_COLD_IMAGES=zstd`
+//! runs only the images whose name holds one of these comma-separated words,
+//! `HAKO_BENCH_HAKO_ONLY=1` leaves containerd out, and `HAKO_BENCH_COLD_CONFIG` is added to
+//! both hako builds' config (say `[image]` and `sync_layers = false` on two lines).
 
 mod common;
 #[path = "../tests/support/mod.rs"]
@@ -168,21 +172,23 @@ fn main() {
                 eprintln!("round {round}: {:<15} {:.3} s", r.name, secs);
             }
         }
-        println!(
-            "\npull + unpack of {} ({} layers, {:.1} MB compressed), {rounds} cold pulls each:",
-            name,
-            img.layers.len(),
-            compressed as f64 / 1e6
-        );
-        println!("| runtime | min s | median s | max s | root dir after pull |");
-        println!("|---|---|---|---|---|");
-        for (i, r) in runtimes.iter().enumerate() {
-            let (min, med, max) = stats(&mut times[i]);
+        if rounds > 0 {
             println!(
-                "| {} | {min:.3} | {med:.3} | {max:.3} | {:.1} MB |",
-                r.name,
-                disk[i] as f64 / 1e6
+                "\npull + unpack of {} ({} layers, {:.1} MB compressed), {rounds} cold pulls each:",
+                name,
+                img.layers.len(),
+                compressed as f64 / 1e6
             );
+            println!("| runtime | min s | median s | max s | root dir after pull |");
+            println!("|---|---|---|---|---|");
+            for (i, r) in runtimes.iter().enumerate() {
+                let (min, med, max) = stats(&mut times[i]);
+                println!(
+                    "| {} | {min:.3} | {med:.3} | {max:.3} | {:.1} MB |",
+                    r.name,
+                    disk[i] as f64 / 1e6
+                );
+            }
         }
         drop(runtimes);
         let cold: usize = std::env::var("HAKO_BENCH_COLD")
@@ -465,7 +471,8 @@ async fn cold_starts(reg: &Registry, rounds: usize) {
         ("/usr/lib/x86_64-linux-gnu", 200 << 20),
         ("/usr/share", 120 << 20),
     ]);
-    let images = [
+    let wanted = std::env::var("HAKO_BENCH_COLD_IMAGES").unwrap_or_default();
+    let images: Vec<(&str, Image)> = [
         ("incompressible, gzip", incompressible_image()),
         (
             "distro files, gzip",
@@ -475,7 +482,10 @@ async fn cold_starts(reg: &Registry, rounds: usize) {
             "distro files, zstd",
             distro_image(&files, Compression::Zstd),
         ),
-    ];
+    ]
+    .into_iter()
+    .filter(|(what, _)| wanted.is_empty() || wanted.split(',').any(|w| what.contains(w)))
+    .collect();
     let mut names = Vec::new();
     for (i, (what, img)) in images.iter().enumerate() {
         pusher.push(&format!("bench/cold{i}"), "1", img).await;
@@ -500,31 +510,38 @@ async fn cold_starts(reg: &Registry, rounds: usize) {
     let starters: Vec<(&str, Starter)> = {
         let certs = certs.path().to_path_buf();
         let mut v: Vec<(&str, Starter)> = Vec::new();
-        let c = certs.clone();
-        v.push(("hako", Box::new(move || start_hako(&c, "warn", None))));
+        let config = std::env::var("HAKO_BENCH_COLD_CONFIG").unwrap_or_default();
+        let (c, conf) = (certs.clone(), config.clone());
+        v.push((
+            "hako",
+            Box::new(move || start_hako_with(&c, "warn", None, &conf)),
+        ));
         if let Some(bin) = base_hako() {
             let c = certs.clone();
             v.push((
                 "hako base",
                 Box::new(move || {
-                    let mut r = start_hako_bin(&bin, &c, "warn", None, "");
+                    let mut r = start_hako_bin(&bin, &c, "warn", None, &config);
                     r.name = "hako, HAKO_BENCH_BASE build";
                     r
                 }),
             ));
         }
-        if let Some(d) = ctrd2 {
+        let hako_only = std::env::var_os("HAKO_BENCH_HAKO_ONLY").is_some();
+        if let Some(d) = ctrd2.filter(|_| !hako_only) {
             let c = certs.clone();
             v.push((
                 "containerd 2",
                 Box::new(move || start_containerd2(&d, &c, None)),
             ));
         }
-        let c = certs.clone();
-        v.push((
-            "containerd 1.6",
-            Box::new(move || start_containerd(&c, None)),
-        ));
+        if !hako_only {
+            let c = certs.clone();
+            v.push((
+                "containerd 1.6",
+                Box::new(move || start_containerd(&c, None)),
+            ));
+        }
         v
     };
     println!("\ncold start: PullImage of an absent image to the container's first log line, fresh runtime and empty root each round, {rounds} rounds (ms, median [min–max]):");
