@@ -476,15 +476,33 @@ async fn create_start(
     Ok(id)
 }
 
+/// CreateContainer+StartContainer of a `ctr` into each of `pods`, all in flight at once: each
+/// call's time (ms).
+async fn timed_create_starts<'a>(
+    c: &common::Clients,
+    r: &Runtime,
+    pods: impl Iterator<Item = (&'a str, &'a cri::PodSandboxConfig)>,
+    ctr: fn() -> cri::ContainerConfig,
+) -> Vec<f64> {
+    futures::future::join_all(pods.map(|(pod, cfg)| {
+        let mut c = c.clone();
+        async move {
+            let t = Instant::now();
+            create_start(&mut c, pod, cfg, ctr())
+                .await
+                .unwrap_or_else(|e| panic!("{}: {e}", r.name));
+            t.elapsed().as_secs_f64() * 1e3
+        }
+    }))
+    .await
+}
+
 /// Stops and removes pods, `parallel` at a time (untimed).
 async fn teardown(r: &Runtime, pods: Vec<String>, parallel: usize) {
     use futures::StreamExt;
     let c = client(&r.socket).await;
     futures::stream::iter(pods.into_iter().map(|p| {
-        let mut c = common::Clients {
-            runtime: c.runtime.clone(),
-            images: c.images.clone(),
-        };
+        let mut c = c.clone();
         async move {
             let _ = c
                 .runtime
@@ -551,10 +569,7 @@ async fn ten_in_flight(
     let cpu_before = busy_cpu_ms();
     mark("RunPodSandbox start");
     let runs = futures::future::join_all(cfgs.iter().map(|cfg| {
-        let mut c = common::Clients {
-            runtime: c.runtime.clone(),
-            images: c.images.clone(),
-        };
+        let mut c = c.clone();
         async move {
             let t = Instant::now();
             let pod = run_pod(&mut c, cfg)
@@ -571,19 +586,12 @@ async fn ten_in_flight(
         .push((busy_cpu_ms() - cpu_before) / runs.len() as f64);
     let cpu_before = busy_cpu_ms();
     mark("CreateContainer+StartContainer start");
-    let starts = futures::future::join_all(runs.iter().zip(&cfgs).map(|((pod, _), cfg)| {
-        let mut c = common::Clients {
-            runtime: c.runtime.clone(),
-            images: c.images.clone(),
-        };
-        async move {
-            let t = Instant::now();
-            create_start(&mut c, pod, cfg, net_container_config())
-                .await
-                .unwrap_or_else(|e| panic!("{}: {e}", r.name));
-            t.elapsed().as_secs_f64() * 1e3
-        }
-    }))
+    let starts = timed_create_starts(
+        &c,
+        r,
+        runs.iter().map(|(pod, _)| pod.as_str()).zip(&cfgs),
+        net_container_config,
+    )
     .await;
     mark("CreateContainer+StartContainer end");
     // The machine's CPU time per call (all processes: the runtime's, its plugins' and the
@@ -615,10 +623,7 @@ async fn burst(r: &Runtime, n: usize) -> (f64, usize) {
     let c = client(&r.socket).await;
     let t = Instant::now();
     let out = futures::future::join_all((0..n).map(|k| {
-        let mut c = common::Clients {
-            runtime: c.runtime.clone(),
-            images: c.images.clone(),
-        };
+        let mut c = c.clone();
         async move {
             let cfg = net_pod_config(&format!("burst-{k}"));
             let pod = run_pod(&mut c, &cfg).await.map_err(|e| (None, e))?;
@@ -652,10 +657,7 @@ async fn idle_pods(r: &Runtime, pods: &mut Vec<String>, target: usize) {
     let c = client(&r.socket).await;
     let from = pods.len();
     let made: Vec<String> = futures::stream::iter((from..target).map(|k| {
-        let mut c = common::Clients {
-            runtime: c.runtime.clone(),
-            images: c.images.clone(),
-        };
+        let mut c = c.clone();
         async move {
             let cfg = pod_config(&format!("idle-{k}"));
             let pod = run_pod(&mut c, &cfg)
@@ -684,10 +686,7 @@ async fn creates_at_density(r: &Runtime, rounds: usize) -> Vec<f64> {
             .map(|k| pod_config(&format!("dense-{round}-{k}")))
             .collect();
         let pods = futures::future::join_all(cfgs.iter().map(|cfg| {
-            let mut c = common::Clients {
-                runtime: c.runtime.clone(),
-                images: c.images.clone(),
-            };
+            let mut c = c.clone();
             async move {
                 run_pod(&mut c, cfg)
                     .await
@@ -695,19 +694,12 @@ async fn creates_at_density(r: &Runtime, rounds: usize) -> Vec<f64> {
             }
         }))
         .await;
-        let took = futures::future::join_all(pods.iter().zip(&cfgs).map(|(pod, cfg)| {
-            let mut c = common::Clients {
-                runtime: c.runtime.clone(),
-                images: c.images.clone(),
-            };
-            async move {
-                let t = Instant::now();
-                create_start(&mut c, pod, cfg, container_config())
-                    .await
-                    .unwrap_or_else(|e| panic!("{}: {e}", r.name));
-                t.elapsed().as_secs_f64() * 1e3
-            }
-        }))
+        let took = timed_create_starts(
+            &c,
+            r,
+            pods.iter().map(String::as_str).zip(&cfgs),
+            container_config,
+        )
         .await;
         times.extend(took);
         teardown(r, pods, 10).await;

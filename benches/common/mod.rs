@@ -199,6 +199,7 @@ state = "{state}"
     }
 }
 
+#[derive(Clone)]
 pub struct Clients {
     pub runtime: RuntimeServiceClient<Channel>,
     pub images: ImageServiceClient<Channel>,
