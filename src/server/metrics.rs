@@ -17,6 +17,7 @@ use hako_proto::cri;
 
 use hako_runtime::stats::Detail;
 
+use super::element_len;
 use crate::pods::{ContainerState, ContainerView, PodStats, Usage};
 
 /// The labels every metric starts with, in this order.
@@ -410,12 +411,6 @@ pub fn pod_metrics(p: &PodStats) -> cri::PodSandboxMetrics {
 /// the longest names Kubernetes allows, so a pod of 50 such containers fits. Streamed, each
 /// pod is one item; a unary answer is fitted node-wide by [`fit_node_metrics`].
 const POD_METRICS_BUDGET: usize = 1 << 20;
-
-/// Bytes of a message's element in a repeated field: its tag, length prefix and body.
-pub(super) fn element_len(m: &impl prost::Message) -> usize {
-    let len = m.encoded_len();
-    1 + prost::encoding::encoded_len_varint(len as u64) + len
-}
 
 /// Fits a whole node's pod metrics into `limit` bytes of one ListPodSandboxMetrics answer.
 ///

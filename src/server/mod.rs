@@ -19,6 +19,13 @@ use crate::error::{chain, Error};
 /// How long in-flight calls get to finish once shutdown is asked for.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
+/// Bytes of a message as an element of a repeated field: its tag, length prefix and body (what
+/// it adds to a list response's encoding).
+fn element_len(m: &impl prost::Message) -> usize {
+    let len = m.encoded_len();
+    1 + prost::encoding::encoded_len_varint(len as u64) + len
+}
+
 /// The CRI services over `daemon`, ready to add to a tonic server.
 pub fn services(
     daemon: Arc<Daemon>,

@@ -125,7 +125,7 @@ where
     I: prost::Message + Send + 'static,
     T: Send + 'static,
 {
-    let lengths = chunk_lengths(items.iter().map(metrics::element_len));
+    let lengths = chunk_lengths(items.iter().map(super::element_len));
     let mut items = items.into_iter();
     let chunks: Vec<Result<T, Status>> = lengths
         .into_iter()
