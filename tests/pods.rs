@@ -1458,6 +1458,72 @@ async fn a_monitor_answers_bad_calls_with_errors_and_keeps_serving() {
     )
     .await;
     assert_eq!(exec(&mut rt, &id, "echo fine").await, "fine");
+    // TARGET names a container and, through its pid, a namespace: a pid that has come to be
+    // another container's of the same pod (the target exited, its pid reused) is refused
+    // even though that container runs. Here the pid is simply the other one's.
+    let other = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("other", &["sleep", "60"]),
+    )
+    .await;
+    let other_pid = container_pid(&mut rt, &other).await;
+    std::fs::write(
+        bundle.path().join("config.json"),
+        serde_json::to_vec(&serde_json::json!({
+            "ociVersion": "1.0.2",
+            "linux": {"namespaces": [
+                {"type": "pid", "path": format!("/proc/{other_pid}/ns/pid")},
+                {"type": "mount"}
+            ]}
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    let req = hako_proto::monitor::CreateContainerRequest {
+        id: "target-reused".into(),
+        pid_target: id.clone(),
+        ..req
+    };
+    let (status, msg) = call(
+        Method::CreateContainer as u8,
+        prost::Message::encode_to_vec(&req),
+    )
+    .await
+    .unwrap();
+    let msg = String::from_utf8_lossy(&msg);
+    assert_eq!(status, code::FAILED_PRECONDITION, "{msg}");
+    assert!(
+        msg.contains(&format!(
+            "container {id}, whose PID namespace it joins, (pid {other_pid}) is no longer running"
+        )),
+        "{msg}"
+    );
+    // Named by its own pid, the target is joined: the check lets the create through (it then
+    // fails on this bundle, which has no rootfs; nothing of it is left in the monitor).
+    let id_pid = container_pid(&mut rt, &id).await;
+    std::fs::write(
+        bundle.path().join("config.json"),
+        serde_json::to_vec(&serde_json::json!({
+            "ociVersion": "1.0.2",
+            "linux": {"namespaces": [
+                {"type": "pid", "path": format!("/proc/{id_pid}/ns/pid")},
+                {"type": "mount"}
+            ]}
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    let (status, msg) = call(
+        Method::CreateContainer as u8,
+        prost::Message::encode_to_vec(&req),
+    )
+    .await
+    .unwrap();
+    let msg = String::from_utf8_lossy(&msg);
+    assert_ne!(status, code::OK, "{msg}");
+    assert!(!msg.contains("no longer running"), "{msg}");
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

@@ -160,10 +160,19 @@ impl Runtime {
             .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;
         let monitor = self.monitor(&pod);
         let t_spec = t0.elapsed();
-        if let Err(e) = monitor
-            .create(&id, &bundle, &log_path, req.tty, req.stdin, req.stdin_once)
-            .await
-        {
+        let create = pb::CreateContainerRequest {
+            id: id.clone(),
+            bundle: bundle.display().to_string(),
+            log_path: log_path.clone(),
+            stdin: req.stdin,
+            stdin_once: req.stdin_once,
+            tty: req.tty,
+            pid_target: match target_pid {
+                Some(_) => req.security.pid_target.clone(),
+                None => String::new(),
+            },
+        };
+        if let Err(e) = monitor.create(&create).await {
             // A monitor found gone turns the pod NotReady here, not only at the next relist:
             // the create then fails for good instead of UNAVAILABLE on every retry.
             self.check_monitor_locked(&pod, &e)?;

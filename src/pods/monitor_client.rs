@@ -255,27 +255,11 @@ impl MonitorClient {
             .await
     }
 
-    pub async fn create(
-        &self,
-        id: &str,
-        bundle: &Path,
-        log_path: &str,
-        tty: bool,
-        stdin: bool,
-        stdin_once: bool,
-    ) -> Result<u32> {
-        let req = pb::CreateContainerRequest {
-            id: id.into(),
-            bundle: bundle.display().to_string(),
-            log_path: log_path.into(),
-            stdin,
-            stdin_once,
-            tty,
-        };
+    pub async fn create(&self, req: &pb::CreateContainerRequest) -> Result<u32> {
         let r: pb::CreateContainerResponse = self
             .call_within(
                 Method::CreateContainer,
-                &req,
+                req,
                 "monitor",
                 Some(SLOW_CALL_DEADLINE),
             )

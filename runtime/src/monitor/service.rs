@@ -560,7 +560,7 @@ impl Svc {
             )));
         }
         // No await from here to the helper's fork: the check holds until the create.
-        self.check_pid_target(&req.id, std::path::Path::new(&req.bundle))?;
+        self.check_pid_target(&req)?;
         let log = Arc::new(Mutex::new(
             LogWriter::open(std::path::Path::new(&req.log_path))
                 .map_err(|e| err(format!("open log {}", req.log_path), e))?,
@@ -678,12 +678,14 @@ impl Svc {
     }
 
     /// A spec that joins another container's PID namespace (TARGET) names it by that
-    /// container's pid, looked up by the daemon before the call: the container must still be
-    /// one of this pod's, not exited, or the pid may since name another process. Checked with
+    /// container's pid, looked up by the daemon before the call, and the request names the
+    /// container: it must still be this pod's, not exited, and still hold that pid, or the
+    /// pid may since name another process (another container of the pod, even). Checked with
     /// no await before the create, so the reaper cannot free the pid in between (an exit
     /// leaves a zombie until reaped here).
-    fn check_pid_target(&self, id: &str, bundle: &std::path::Path) -> Result<(), Status> {
-        let config = bundle.join("config.json");
+    fn check_pid_target(&self, req: &pb::CreateContainerRequest) -> Result<(), Status> {
+        let id = &req.id;
+        let config = std::path::Path::new(&req.bundle).join("config.json");
         let raw =
             std::fs::read(&config).map_err(|e| err(format!("read {}", config.display()), e))?;
         if !raw.windows(7).any(|w| w == b"/ns/pid") {
@@ -713,18 +715,7 @@ impl Svc {
             )));
         };
         let st = self.state.lock().expect("state");
-        let live = st.infra_pid.map(|p| p.as_raw()) == Some(target)
-            || st
-                .containers
-                .values()
-                .any(|c| c.pid.as_raw() == target && c.phase != Phase::Exited);
-        if live {
-            Ok(())
-        } else {
-            Err(Status::failed_precondition(format!(
-                "container {id}: the container whose PID namespace it joins (pid {target}) is no longer running in this pod"
-            )))
-        }
+        pid_target_holds(&st, id, &req.pid_target, target)
     }
 
     async fn start_container(&self, req: pb::ContainerRef) -> Result<pb::ContainerState, Status> {
@@ -1224,6 +1215,30 @@ async fn wait_all_exited(state: &Shared) {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Whether a spec joining the PID namespace of process `pid` (TARGET mode) joins what the
+/// request meant: with `target` naming a container, that container, not exited and still
+/// holding `pid`; with none, only the pod's init (a pin is the usual way to name it).
+fn pid_target_holds(st: &super::State, id: &str, target: &str, pid: i32) -> Result<(), Status> {
+    let holds = if target.is_empty() {
+        st.infra_pid.map(|p| p.as_raw()) == Some(pid)
+    } else {
+        st.containers
+            .get(target)
+            .is_some_and(|c| c.pid.as_raw() == pid && c.phase != Phase::Exited)
+    };
+    if holds {
+        return Ok(());
+    }
+    let whose = if target.is_empty() {
+        "the container whose PID namespace it joins".to_string()
+    } else {
+        format!("container {target}, whose PID namespace it joins,")
+    };
+    Err(Status::failed_precondition(format!(
+        "container {id}: {whose} (pid {pid}) is no longer running in this pod"
+    )))
 }
 
 /// Whether `pid` is PID 1 of the innermost PID namespace it is in (the last `NSpid` field of
