@@ -32,6 +32,15 @@ impl Drop for Runtime {
     }
 }
 
+/// Where every runtime's directory (root, state, config) goes: `HAKO_BENCH_DIR`, else
+/// `/var/tmp`. This machine's root is ext4 without a journal, unlike a node's; a journaled
+/// filesystem mounted elsewhere lets the same run compare runtimes there.
+pub fn bench_dir() -> PathBuf {
+    std::env::var_os("HAKO_BENCH_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp"))
+}
+
 /// A runtime's state directory, `dir/state`: a tmpfs of its own, as `/run` is on a node
 /// (`/run/hako`, `/run/containerd`), for every runtime alike. This machine's `/run` and
 /// `/var/tmp` are ext4 without a journal, where each new inode is found by scanning past
@@ -72,7 +81,7 @@ pub fn wait_socket(p: &Path, child: &mut Child, what: &str) {
 
 /// A certs.d directory with `hosts.toml` files: (registry, contents).
 pub fn certs_for(hosts: &[(&str, &str)]) -> tempfile::TempDir {
-    let d = tempfile::tempdir_in("/var/tmp").unwrap();
+    let d = tempfile::tempdir_in(bench_dir()).unwrap();
     for (registry, text) in hosts {
         std::fs::create_dir_all(d.path().join(registry)).unwrap();
         std::fs::write(d.path().join(registry).join("hosts.toml"), text).unwrap();
@@ -104,7 +113,7 @@ pub fn start_hako_bin(
     cni_conf: Option<&Path>,
     extra: &str,
 ) -> Runtime {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let dir = tempfile::tempdir_in(bench_dir()).unwrap();
     let socket = dir.path().join("hako.sock");
     let root = dir.path().join("root");
     let cfg = dir.path().join("config.toml");
@@ -150,7 +159,7 @@ pub fn start_hako_bin(
 /// containerd 1.6 with its CRI plugin; `cni_conf` gives pods a network config (else pods
 /// cannot start, only images are usable).
 pub fn start_containerd(certs: &Path, cni_conf: Option<&Path>) -> Runtime {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let dir = tempfile::tempdir_in(bench_dir()).unwrap();
     let socket = dir.path().join("containerd.sock");
     let root = dir.path().join("root");
     let cfg = dir.path().join("config.toml");
@@ -239,7 +248,7 @@ pub fn containerd2_dir() -> Option<PathBuf> {
 /// containerd 2.x from `bin_dir` (see [`containerd2_dir`]) with its CRI plugins, configured
 /// as [`start_containerd`] configures 1.6 (config version 3). Its shim is found on PATH.
 pub fn start_containerd2(bin_dir: &Path, certs: &Path, cni_conf: Option<&Path>) -> Runtime {
-    let dir = tempfile::tempdir_in("/var/tmp").unwrap();
+    let dir = tempfile::tempdir_in(bench_dir()).unwrap();
     let socket = dir.path().join("containerd.sock");
     let root = dir.path().join("root");
     let cfg = dir.path().join("config.toml");
