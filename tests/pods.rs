@@ -2193,3 +2193,110 @@ async fn a_configured_runtime_handler_serves_as_the_default_one() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// ExecSync answers with what the command wrote by shortly after it exited, and then stops
+/// reading: a process it left in the background holding its stdout open must not keep a
+/// reader (and up to 16 MiB of output per stream) alive in the pod's monitor. Here the
+/// background `yes` starts writing after the call has answered; with the read end closed it
+/// dies of the broken pipe, where a reader still draining the pipe would keep it running.
+#[tokio::test(flavor = "multi_thread")]
+async fn exec_sync_stops_reading_what_its_background_processes_write() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("execbg", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("c", &["sleep", "600"]),
+    )
+    .await;
+    let out = exec(
+        &mut rt,
+        &id,
+        "echo first; (sleep 1; touch /tmp/started; exec yes) & echo done",
+    )
+    .await;
+    assert_eq!(out, "first\ndone");
+    let status = |rt: &mut Rt, script: &'static str| {
+        let mut rt = rt.clone();
+        let id = id.clone();
+        async move {
+            rt.exec_sync(cri::ExecSyncRequest {
+                container_id: id,
+                cmd: vec!["sh".into(), "-c".into(), script.into()],
+                timeout: 10,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .exit_code
+        }
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while status(&mut rt, "test -e /tmp/started").await != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the background process never started"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The container's init does not reap, so the dead yes stays a zombie: only a live one
+    // counts.
+    let live_yes =
+        "for p in $(pidof yes); do grep -q '^State:.*Z' /proc/$p/status || exit 0; done; exit 1";
+    while status(&mut rt, live_yes).await == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the background yes still runs long after ExecSync answered: its output is still read"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// Container processes start with SIGPIPE at its default disposition, as under runc: the
+/// monitor (a Rust program) ignores it, and an ignored signal would otherwise be inherited
+/// through libcontainer's forks and the exec into the container's command.
+#[tokio::test(flavor = "multi_thread")]
+async fn container_processes_start_with_sigpipe_at_its_default() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("sigpipe", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("c", &["sleep", "600"]),
+    )
+    .await;
+    // SigIgn is a hex mask, bit n-1 for signal n: SIGPIPE (13) is 0x1000.
+    let ignored = |line: &str| {
+        let mask = line.trim().strip_prefix("SigIgn:").unwrap().trim();
+        u64::from_str_radix(mask, 16).unwrap() & (1 << (libc::SIGPIPE - 1)) != 0
+    };
+    let pid = container_pid(&mut rt, &id).await;
+    let init = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("SigIgn:"))
+        .unwrap()
+        .to_string();
+    assert!(
+        !ignored(&init),
+        "the container's init ignores SIGPIPE: {init}"
+    );
+    let own = exec(&mut rt, &id, "grep SigIgn /proc/self/status").await;
+    assert!(!ignored(&own), "an exec ignores SIGPIPE: {own}");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

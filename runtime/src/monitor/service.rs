@@ -206,20 +206,28 @@ fn pump(
     Ok(())
 }
 
-/// Reads a pipe into memory, up to the cap.
-fn collect(fd: OwnedFd) -> Result<tokio::task::JoinHandle<Vec<u8>>, Status> {
+/// Reads a pipe into memory, up to the cap, until its write ends are all closed or `stop`
+/// turns true: a process the exec left behind may hold the pipe open for ever, and the read,
+/// its buffer and the pipe must not outlive the call.
+fn collect(
+    fd: OwnedFd,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<Vec<u8>>, Status> {
     let mut rx =
         tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(|e| err("exec pipe", e))?;
     Ok(tokio::spawn(async move {
         let mut out = Vec::new();
         let mut buf = vec![0u8; 32 * 1024];
         loop {
-            match rx.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    let room = EXEC_OUTPUT_CAP.saturating_sub(out.len());
-                    out.extend_from_slice(&buf[..n.min(room)]);
-                }
+            tokio::select! {
+                r = rx.read(&mut buf) => match r {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        let room = EXEC_OUTPUT_CAP.saturating_sub(out.len());
+                        out.extend_from_slice(&buf[..n.min(room)]);
+                    }
+                },
+                _ = stop.wait_for(|s| *s) => break,
             }
         }
         out
@@ -317,6 +325,11 @@ pub(super) fn in_helper(
     match unsafe { nix::unistd::fork() }.map_err(|e| err("fork helper", e))? {
         nix::unistd::ForkResult::Child => {
             drop(r);
+            // Rust ignores SIGPIPE in the monitor, and an ignored signal stays ignored across
+            // fork and exec: without this every container process would start with SIGPIPE
+            // ignored (runc's containers start with it at its default, as programs expect).
+            // SAFETY: no handler is installed, only the default disposition restored.
+            unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
             let listener = LISTENER_FD.load(std::sync::atomic::Ordering::Relaxed);
             if listener >= 0 {
                 // SAFETY: the child's copy of the listener; nothing in the child uses it.
@@ -915,8 +928,9 @@ impl Svc {
             }
             rx
         };
-        let out = collect(out_r)?;
-        let errs = collect(err_r)?;
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let out = collect(out_r, stopped.clone())?;
+        let errs = collect(err_r, stopped)?;
         let waited = if req.timeout_ms > 0 {
             tokio::time::timeout(Duration::from_millis(req.timeout_ms as u64), rx)
                 .await
@@ -933,15 +947,16 @@ impl Svc {
                 (-1, true)
             }
         };
-        // Descendants may hold the pipes open: output is what arrived by shortly after exit.
-        let grab = |h: tokio::task::JoinHandle<Vec<u8>>| async move {
-            match tokio::time::timeout(Duration::from_millis(500), h).await {
-                Ok(Ok(v)) => v,
-                _ => Vec::new(),
-            }
-        };
-        let stdout = grab(out).await;
-        let stderr = grab(errs).await;
+        // Descendants may hold the pipes open: output is what arrived by shortly after exit,
+        // and then the reads end (their pipes closed, their buffers freed). A dropped `stop`
+        // ends them too, should this call be dropped first.
+        let deadline = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let _ = stop.send(true);
+        });
+        let stdout = out.await.unwrap_or_default();
+        let stderr = errs.await.unwrap_or_default();
+        deadline.abort();
         Ok(pb::ExecSyncResponse {
             stdout,
             stderr,
