@@ -1652,6 +1652,87 @@ async fn concurrent_creates_of_one_name_wait_for_the_first_and_return_its_object
     assert_no_leaks(&h, &pod);
 }
 
+/// A daemon out of file descriptors cannot reach a pod's monitor, and cannot tell whether it
+/// still listens either: that is no evidence the monitor is gone, so the pod stays Ready and
+/// its containers run (taken for gone, the monitor's containers were killed: anyone able to
+/// pin the daemon's descriptors, with port-forwards say, could kill other tenants' pods).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_daemon_out_of_descriptors_leaves_live_monitors_alone() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("nofile", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("c", &["sleep", "600"]),
+    )
+    .await;
+    let pid = container_pid(&mut rt, &id).await;
+    assert_eq!(exec(&mut rt, &id, "echo up").await, "up");
+    // The soft limit at the lowest free descriptor number: every new one fails with EMFILE.
+    // Only the soft limit moves, so it can be put back without CAP_SYS_RESOURCE.
+    let daemon = h.pid();
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: reads the daemon's limit into `old`.
+    assert_eq!(
+        unsafe { libc::prlimit(daemon, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) },
+        0
+    );
+    let open: std::collections::HashSet<u64> = std::fs::read_dir(format!("/proc/{daemon}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let lowest_free = (0..).find(|n| !open.contains(n)).unwrap();
+    let low = libc::rlimit {
+        rlim_cur: lowest_free,
+        rlim_max: old.rlim_max,
+    };
+    // SAFETY: sets the daemon's soft limit; put back below.
+    assert_eq!(
+        unsafe { libc::prlimit(daemon, libc::RLIMIT_NOFILE, &low, std::ptr::null_mut()) },
+        0
+    );
+    let starved = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: id.clone(),
+            cmd: vec!["true".into()],
+            timeout: 10,
+        })
+        .await;
+    // SAFETY: puts the daemon's soft limit back.
+    assert_eq!(
+        unsafe { libc::prlimit(daemon, libc::RLIMIT_NOFILE, &old, std::ptr::null_mut()) },
+        0
+    );
+    assert!(
+        starved.is_err(),
+        "an exec with no descriptor to spare: {starved:?}"
+    );
+    assert_eq!(
+        pod_state(&mut rt, &pod).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    assert_eq!(
+        status(&mut rt, &id).await.state,
+        cri::ContainerState::ContainerRunning as i32
+    );
+    assert!(
+        std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the container's init was killed"
+    );
+    assert_eq!(exec(&mut rt, &id, "echo still").await, "still");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
 /// A monitor that stops answering (here: SIGSTOPped) costs its callers a bounded wait and a
 /// DEADLINE_EXCEEDED naming it, not a hang; once it answers again, so does the pod.
 #[tokio::test(flavor = "multi_thread")]

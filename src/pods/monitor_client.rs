@@ -410,12 +410,19 @@ impl MonitorClient {
     }
 
     /// Whether a process listens on this monitor socket (answering or not: one too stuck to
-    /// accept still counts). A monitor that exited, or never bound it, does not.
+    /// accept still counts). A monitor that exited, or never bound it, does not. Only an
+    /// answer about the socket says it is gone: the daemon out of descriptors or memory
+    /// cannot tell, and a live monitor taken for gone would have its containers killed.
     pub fn listening(&self) -> bool {
-        matches!(
-            peer_of(&self.socket),
-            Ok(_) | Err(nix::errno::Errno::EAGAIN)
-        )
+        use nix::errno::Errno;
+        match peer_of(&self.socket) {
+            Ok(_) => true,
+            Err(Errno::ECONNREFUSED | Errno::ENOENT | Errno::ENOTDIR | Errno::ESRCH) => false,
+            Err(e) => {
+                tracing::warn!(socket = %self.socket.display(), error = %e, "cannot tell whether the pod monitor listens: taken as listening");
+                true
+            }
+        }
     }
 
     /// Asks the monitor to tear the pod down and waits until its socket is gone; false when
