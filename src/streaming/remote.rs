@@ -500,8 +500,10 @@ async fn ws_writer<W: AsyncWrite>(
 
 /// SPDY carried in WebSocket binary messages (`SPDY/3.1+portforward.k8s.io`, what client-go's
 /// tunnelling dialer and `crictl port-forward --transport websocket` speak): the messages are
-/// one byte stream, handed to `inner` as a duplex pipe.
-pub async fn ws_tunnel<IO, H, F>(io: IO, inner: H)
+/// one byte stream, handed to `inner` as a duplex pipe. Closed after `idle` with nothing
+/// read from the client or written to it: a client that neither sends nor reads would
+/// otherwise hold the connection, its queue and the inner one for ever.
+pub async fn ws_tunnel<IO, H, F>(io: IO, idle: Duration, inner: H)
 where
     IO: AsyncRead + AsyncWrite + Send,
     H: FnOnce(tokio::io::DuplexStream) -> F,
@@ -512,9 +514,12 @@ where
     let (mut from_inner, mut to_inner) = tokio::io::split(theirs);
     let (out_tx, out_rx) = mpsc::channel::<Vec<u8>>(64);
     let pongs = out_tx.downgrade();
+    let activity = Activity::new();
+    let seen = activity.clone();
     let reader = async move {
         let mut reader = ws::Reader::new(r);
         while let Ok(Some(msg)) = reader.next().await {
+            seen.touch();
             match msg {
                 ws::Message::Data(_, data) => {
                     if to_inner.write_all(&data).await.is_err() {
@@ -551,7 +556,7 @@ where
         }
         let _ = out_tx.send(ws::close(1000)).await;
     };
-    let writer = ws_writer(w, out_rx, Activity::new());
+    let writer = ws_writer(w, out_rx, activity.clone());
     // The client going away ends the reader, the inner connection then sees EOF and ends,
     // which ends `outbound` and the writer. When the inner side ends first, the client gets
     // a moment to close.
@@ -569,7 +574,12 @@ where
             } => {}
         }
     };
-    tokio::join!(rest, reader);
+    tokio::select! {
+        _ = async { tokio::join!(rest, reader) } => {}
+        _ = activity.idle(idle) => {
+            tracing::info!(idle_s = idle.as_secs(), "port-forward tunnel idle: closed");
+        }
+    }
 }
 
 /// One port-forward request waiting for its second stream.
@@ -799,6 +809,36 @@ mod tests {
                 let _ = tx.send(());
             }
         }
+    }
+
+    /// A tunnel whose client neither sends nor reads while the inner side has output
+    /// queued (the writer blocked on the full connection) is closed once idle.
+    #[tokio::test]
+    async fn a_tunnel_nobody_reads_is_closed_once_idle() {
+        let (client, server) = tokio::io::duplex(4 * 1024);
+        let (inner_done_tx, inner_done_rx) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(ws_tunnel(
+            server,
+            Duration::from_millis(300),
+            |mut pipe| async move {
+                // Far more than the connection, the queue and the pipe hold.
+                let chunk = vec![1u8; 32 * 1024];
+                for _ in 0..1024 {
+                    if pipe.write_all(&chunk).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = inner_done_tx.send(());
+                std::future::pending::<()>().await
+            },
+        ));
+        tokio::time::timeout(Duration::from_secs(10), serving)
+            .await
+            .expect("the idle tunnel to be closed")
+            .unwrap();
+        // The inner side never got all its output out: the tunnel did not just end with it.
+        assert!(inner_done_rx.await.is_err());
+        drop(client);
     }
 
     /// The session's output outruns the client (the queue fills: the pipe holds the first

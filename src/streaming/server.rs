@@ -27,6 +27,10 @@ use crate::error::{Error, Result};
 pub const TOKEN_TTL: Duration = Duration::from_secs(60);
 /// Tokens waiting at once (kubelet's bound on in-flight requests).
 pub const MAX_TOKENS: usize = 1000;
+/// Sessions running at once, node-wide: each holds a connection, its buffers and, for a
+/// port-forward, up to `MAX_FORWARDS` sockets, so without a bound a user allowed to stream to
+/// one pod could exhaust the daemon's descriptors for every pod.
+pub const MAX_SESSIONS: usize = 1024;
 /// A client has this long to send its request headers.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -217,6 +221,12 @@ impl Inner {
         let mut tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         tokens.retain(|_, (at, _)| now.duration_since(*at) < self.ttl);
+        let running = self.sessions.load(Ordering::SeqCst);
+        if running >= MAX_SESSIONS {
+            return Err(Error::Unavailable(format!(
+                "streaming server: {running} sessions are running already, the most it serves at once"
+            )));
+        }
         if tokens.len() >= MAX_TOKENS {
             return Err(Error::Unavailable(format!(
                 "streaming server: {MAX_TOKENS} requests are waiting for their client already"
@@ -350,6 +360,13 @@ fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>
     let Some(pending) = inner.take(kind, token) else {
         return plain(StatusCode::NOT_FOUND, "unknown or expired streaming token");
     };
+    // Tokens issued before the sessions filled up must not take them past the bound.
+    if inner.sessions.load(Ordering::SeqCst) >= MAX_SESSIONS {
+        return plain(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the streaming server runs as many sessions as it serves at once",
+        );
+    }
     let headers = req.headers();
     let upgrade = headers
         .get(UPGRADE)
@@ -482,7 +499,10 @@ async fn run_session(
             remote::port_forward(io, idle, backend, pod).await
         }
         (Pending::PortForward(pod), Proto::PortForwardTunnel) => {
-            remote::ws_tunnel(io, |pipe| remote::port_forward(pipe, idle, backend, pod)).await
+            remote::ws_tunnel(io, idle, |pipe| {
+                remote::port_forward(pipe, idle, backend, pod)
+            })
+            .await
         }
         (Pending::Exec(r), p) => {
             let want = Want {
@@ -557,6 +577,18 @@ mod tests {
             inner.issue(Pending::PortForward("p".into())),
             Err(Error::Unavailable(_))
         ));
+    }
+
+    #[test]
+    fn no_more_sessions_are_issued_than_run_at_once() {
+        let inner = server_inner(TOKEN_TTL);
+        inner.sessions.store(MAX_SESSIONS - 1, Ordering::SeqCst);
+        inner.issue(Pending::PortForward("p".into())).unwrap();
+        inner.sessions.store(MAX_SESSIONS, Ordering::SeqCst);
+        match inner.issue(Pending::PortForward("p".into())) {
+            Err(Error::Unavailable(m)) => assert!(m.contains("1024 sessions are running"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

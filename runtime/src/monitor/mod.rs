@@ -86,11 +86,27 @@ pub(crate) struct Ctr {
     pub fanout: streams::Fanout,
 }
 
+/// Exits nobody waited for that are kept: an exec registers its wait before the monitor can
+/// reap anything (no await in between), so none of them is ever asked for in practice.
+const MAX_UNCLAIMED: usize = 256;
+
 /// Exits of processes that are not container inits (execs), by pid, for whoever waits.
 #[derive(Default)]
 pub(crate) struct Reaped {
     pub waiting: HashMap<i32, tokio::sync::oneshot::Sender<WaitStatus>>,
     pub unclaimed: HashMap<i32, WaitStatus>,
+}
+
+impl Reaped {
+    /// Most exits nobody waits for are orphans the pod's processes left (the monitor is their
+    /// subreaper), never asked for: a container sharing the host's PID namespace can make
+    /// them without end, so only the latest few are kept.
+    fn keep_unclaimed(&mut self, pid: i32, ws: WaitStatus) {
+        if self.unclaimed.len() >= MAX_UNCLAIMED {
+            self.unclaimed.clear();
+        }
+        self.unclaimed.insert(pid, ws);
+    }
 }
 
 pub(crate) struct State {
@@ -248,7 +264,7 @@ pub(crate) fn reap(state: &Shared) {
                 let _ = tx.send(ws);
             }
             None => {
-                st.reaped.unclaimed.insert(pid.as_raw(), ws);
+                st.reaped.keep_unclaimed(pid.as_raw(), ws);
             }
         }
     }
@@ -326,5 +342,22 @@ pub fn take_ready_pipe() -> Option<OwnedFd> {
         }
         libc::dup2(2, 1);
         Some(OwnedFd::from_raw_fd(READY_FD))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exits_nobody_waits_for_are_kept_within_a_bound() {
+        let mut r = Reaped::default();
+        let exit = |pid| WaitStatus::Exited(Pid::from_raw(pid), 0);
+        for pid in 1..=10 * MAX_UNCLAIMED as i32 {
+            r.keep_unclaimed(pid, exit(pid));
+            assert!(r.unclaimed.len() <= MAX_UNCLAIMED);
+        }
+        let last = 10 * MAX_UNCLAIMED as i32;
+        assert_eq!(r.unclaimed.remove(&last), Some(exit(last)));
     }
 }

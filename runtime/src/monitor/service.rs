@@ -184,14 +184,25 @@ fn pump(
         Stream::Stderr => wire::stream::STDERR,
     };
     tokio::spawn(async move {
+        // Logged once per run of failed writes (a full disk fails every one of them, and the
+        // monitor's own log is in memory).
+        let mut failing = false;
         loop {
             let wrote = rx
                 .read_with(|bytes| {
                     if bytes.is_empty() {
                         return;
                     }
-                    if let Err(e) = log.lock().expect("log poisoned").write(stream, bytes) {
-                        tracing::warn!(error = %e, "write container log");
+                    match log.lock().expect("log poisoned").write(stream, bytes) {
+                        Err(e) if !failing => {
+                            failing = true;
+                            tracing::warn!(error = %e, "write container log (further failures not logged until a write succeeds)");
+                        }
+                        Ok(_) if failing => {
+                            failing = false;
+                            tracing::info!("container log written again");
+                        }
+                        _ => {}
                     }
                     streams::fan_out(&fanout, id, bytes);
                 })
