@@ -7,6 +7,8 @@
 //! that the frames are written into, so a client reading slowly stops this side reading the
 //! monitor's connection, which stops the monitor reading the process's output.
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use hako_proto::monitor as pb;
@@ -155,14 +157,13 @@ impl Runtime {
         };
         // A socket stays in the namespace it was made in: made by a thread of its own that
         // joins the pod's namespace and ends with it (a pool thread would stay there). Each
-        // such thread may block for CONNECT_TIMEOUT: their number is bounded, a permit held
+        // such thread may block for CONNECT_TIMEOUT: their number is bounded, permits held
         // by the thread until it ends (even when this call was given up).
-        static CONNECTS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+        static CONNECTS: std::sync::OnceLock<ConnectPermits> = std::sync::OnceLock::new();
         let permit = CONNECTS
-            .get_or_init(|| tokio::sync::Semaphore::new(MAX_CONNECTING))
-            .acquire()
-            .await
-            .map_err(|_| Error::Internal("the port-forward semaphore closed".into()))?;
+            .get_or_init(ConnectPermits::default)
+            .acquire(&pod.id)
+            .await?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
             .name("port-forward".into())
@@ -193,8 +194,49 @@ impl Runtime {
     }
 }
 
-/// Port-forward connects in flight at once, each on a thread of its own.
-const MAX_CONNECTING: usize = 64;
+/// Port-forward connects in flight at once, each on a thread of its own: node-wide, and to
+/// one pod. A pod whose ports never answer a connect (each then takes CONNECT_TIMEOUT) holds
+/// up only its own share, not every pod's port-forwards.
+const MAX_CONNECTING: usize = 256;
+const MAX_CONNECTING_PER_POD: usize = 16;
+
+/// The permits of port-forward connects: a pod's own, then one of the node's.
+#[derive(Default)]
+struct ConnectPermits {
+    pods: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+    node: std::sync::OnceLock<Arc<tokio::sync::Semaphore>>,
+}
+
+impl ConnectPermits {
+    async fn acquire(&self, pod: &str) -> Result<ConnectPermit> {
+        let closed = |_| Error::Internal("the port-forward semaphore closed".into());
+        let of_pod = {
+            let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+            // Pods with no connect in flight or waiting (only the map holds theirs) drop out.
+            pods.retain(|_, s| Arc::strong_count(s) > 1);
+            pods.entry(pod.to_string())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTING_PER_POD)))
+                .clone()
+        };
+        let pod = of_pod.acquire_owned().await.map_err(closed)?;
+        let node = self
+            .node
+            .get_or_init(|| Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTING)))
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(closed)?;
+        Ok(ConnectPermit {
+            _pod: pod,
+            _node: node,
+        })
+    }
+}
+
+struct ConnectPermit {
+    _pod: tokio::sync::OwnedSemaphorePermit,
+    _node: tokio::sync::OwnedSemaphorePermit,
+}
 
 /// The session over a streaming call's connection. A task of its own moves the frames; it
 /// ends (closing the connection: the monitor kills the exec'd process, or detaches) when the
@@ -357,6 +399,28 @@ impl Backend for crate::daemon::Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One pod's connects, all stuck, hold its own share and no other pod's.
+    #[tokio::test]
+    async fn a_pod_whose_connects_hang_holds_up_only_its_own() {
+        let permits = ConnectPermits::default();
+        let mut stuck = Vec::new();
+        for _ in 0..MAX_CONNECTING_PER_POD {
+            stuck.push(permits.acquire("a").await.unwrap());
+        }
+        let more_of_a = tokio::time::timeout(Duration::from_millis(50), permits.acquire("a"));
+        assert!(more_of_a.await.is_err(), "a pod past its share waits");
+        let b = tokio::time::timeout(Duration::from_millis(50), permits.acquire("b"));
+        assert!(
+            b.await.is_ok(),
+            "another pod's connect does not wait behind it"
+        );
+        drop(stuck);
+        assert!(permits.acquire("a").await.is_ok());
+        // Pods with nothing in flight are forgotten.
+        let _ = permits.acquire("c").await.unwrap();
+        assert!(permits.pods.lock().unwrap().len() <= 1);
+    }
 
     /// The frames a monitor sends become the session's outputs and exit, the client's input
     /// and resizes become frames; dropping the session closes the connection (the monitor's
