@@ -41,6 +41,8 @@ pub struct ImageConfig {
     pub pull_progress_timeout_secs: u64,
     /// Layers of one image downloaded at the same time.
     pub max_concurrent_downloads: usize,
+    /// Layers of one image unpacked at the same time (each still placed after the one below).
+    pub max_concurrent_unpacks: usize,
     /// Bound on one layer's uncompressed size and on the bytes its unpack writes; 0 = none.
     pub max_layer_unpacked_bytes: u64,
     /// Bound on the files, directories and links one layer's unpack creates; 0 = none.
@@ -139,6 +141,9 @@ impl Default for ImageConfig {
         ImageConfig {
             pull_progress_timeout_secs: 300,
             max_concurrent_downloads: 3,
+            // Two: most of a layer unpacks without the one below (docs/BENCHMARKS.md); each
+            // more holds a decompressor window and three threads.
+            max_concurrent_unpacks: 2,
             // Out of the way of very large real layers (ML and CUDA images), and a bound on
             // what a decompression bomb can write before it fails.
             max_layer_unpacked_bytes: 64 << 30,
@@ -240,6 +245,9 @@ impl Config {
         }
         if self.image.max_concurrent_downloads == 0 {
             return Err("image.max_concurrent_downloads must be at least 1".into());
+        }
+        if self.image.max_concurrent_unpacks == 0 {
+            return Err("image.max_concurrent_unpacks must be at least 1".into());
         }
         if self.image.pull_progress_timeout_secs == 0 {
             return Err("image.pull_progress_timeout_secs must be at least 1".into());

@@ -884,18 +884,21 @@ async fn malicious_layer_is_rejected_and_cleaned_up() {
         canary.strip_prefix("/").unwrap().display()
     );
     assert_eq!(lexical(&unpack_dir.join(&far_entry)), canary);
-    for (repo, entry, landing) in [
-        ("evil/near", near_entry.to_string(), near),
-        ("evil/far", far_entry, canary),
+    // The evil layer on top, and below a good one: the good one unpacks meanwhile (its
+    // entries need nothing from below) and must not stay.
+    for (repo, entry, landing, evil_below) in [
+        ("evil/near", near_entry.to_string(), near.clone(), false),
+        ("evil/far", far_entry, canary, false),
+        ("evil/below", near_entry.to_string(), near, true),
     ] {
-        let img = Image::new(
-            vec![
-                Layer::new(base(), Compression::Gzip, false),
-                Layer::new(&raw_entry_tar(&entry), Compression::Gzip, false),
-            ],
-            &ImageConf::default(),
-            false,
-        );
+        let mut layers = vec![
+            Layer::new(base(), Compression::Gzip, false),
+            Layer::new(&raw_entry_tar(&entry), Compression::Gzip, false),
+        ];
+        if evil_below {
+            layers.reverse();
+        }
+        let img = Image::new(layers, &ImageConf::default(), false);
         Pusher::new(&reg.addr).push(repo, "1", &img).await;
         let name = format!("{}/{repo}:1", reg.addr);
         let err = pull(&h, &name).await.unwrap_err();

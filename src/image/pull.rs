@@ -3,11 +3,12 @@
 //!
 //! Each layer is one spawned task keyed by chain id in `Inner::inflight`: a second pull of the
 //! same image (or of another image sharing a layer) awaits the same task instead of downloading
-//! again. Downloads of one image run in parallel (bounded by `max_concurrent_downloads`); each
-//! layer's unpack starts once the layer below it is unpacked and in place (its paths resolve
-//! through the layers below) and reads the download as it arrives. The layer below need not be
-//! synced and recorded yet: its `syncfs` overlaps this unpack, and each layer is still recorded
-//! only after a sync that covers its files. A task runs to completion even if every pull that asked
+//! again. Downloads of one image run in parallel (bounded by `max_concurrent_downloads`), and
+//! so do the unpacks of up to `max_concurrent_unpacks` layers, each reading its download as it arrives.
+//! An unpack waits for the layers below only when an entry's path must resolve through them
+//! (`unpack::unpack_layer_over`), and a layer is put in place only once the one below is. The
+//! layer below need not be synced and recorded yet: its `syncfs` overlaps this unpack, and
+//! each layer is still recorded only after a sync that covers its files. A task runs to completion even if every pull that asked
 //! for it is cancelled, so a half-written directory is never left to a dropped future.
 
 use std::future::Future;
@@ -292,7 +293,7 @@ impl Images {
         let chains = chain_ids(&diff_ids);
         lease.add(chains.iter().cloned());
 
-        let mut prev: Option<LayerFuture> = None;
+        let mut placed: Vec<LayerFuture> = Vec::with_capacity(layers.len());
         let mut futs = Vec::with_capacity(layers.len());
         for (i, l) in layers.iter().enumerate() {
             let job = LayerJob {
@@ -303,10 +304,13 @@ impl Images {
                 chain_id: chains[i].clone(),
                 diff_id: diff_ids[i].clone(),
                 lowers: chains[..i].iter().rev().cloned().collect(),
-                parent: prev.clone(),
+                parent: placed.last().cloned(),
+                ahead: i
+                    .checked_sub(self.inner.config.max_concurrent_unpacks)
+                    .map(|below| placed[below].clone()),
             };
             let task = self.layer(job);
-            prev = Some(task.placed);
+            placed.push(task.placed);
             futs.push(task.done);
         }
         for r in futures::future::join_all(futs).await {
@@ -511,6 +515,11 @@ struct LayerJob {
     lowers: Vec<String>,
     /// The layer below being in place (`LayerTask::placed`).
     parent: Option<LayerFuture>,
+    /// The layer `image.max_concurrent_unpacks` below this one being in place: this one's
+    /// unpack starts then. A layer's unpack needs the layers below only for some entries
+    /// (`unpack::unpack_layer_over`), but each one holds a decompressor's window (up to 128
+    /// MiB for zstd) and three threads, so an image of many layers costs no more than that many.
+    ahead: Option<LayerFuture>,
 }
 
 /// Removes a path when dropped unless disarmed: the undo of a step, registered right after it.
@@ -597,11 +606,11 @@ impl LayerJob {
             unique()
         ));
         let mut tmp_cleanup = Cleanup(Some(tmp.clone()));
+        let below_failed =
+            |e: Arc<Error>| duplicate(&e).context(format!("layer below {}", self.digest));
         let unpack = async {
-            if let Some(parent) = self.parent.clone() {
-                parent
-                    .await
-                    .map_err(|e| duplicate(&e).context(format!("layer below {}", self.digest)))?;
+            if let Some(ahead) = self.ahead.clone() {
+                ahead.await.map_err(below_failed)?;
             }
             let lowers: Vec<PathBuf> = self
                 .lowers
@@ -617,6 +626,8 @@ impl LayerJob {
             };
             let ingest = ingest.clone();
             let growth = growth.clone();
+            let parent = self.parent.clone();
+            let runtime = tokio::runtime::Handle::current();
             let started = Instant::now();
             let unpacked =
                 tokio::task::spawn_blocking(move || -> Result<super::unpack::Unpacked> {
@@ -625,13 +636,31 @@ impl LayerJob {
                     let f =
                         std::fs::File::open(&ingest).map_err(|e| Error::io("open", &ingest, e))?;
                     let r = GrowingReader { file: f, growth };
-                    super::unpack::unpack_layer(r, &fs_dir, &lowers, &diff_id, limits).map_err(
-                        |e| Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e))),
+                    // A blocking pool thread may wait on the layer below's task.
+                    let lowers_ready = || match &parent {
+                        Some(p) => runtime.block_on(p.clone()).map_err(|e| chain(&*e)),
+                        None => Ok(()),
+                    };
+                    super::unpack::unpack_layer_over(
+                        r,
+                        &fs_dir,
+                        &lowers,
+                        &lowers_ready,
+                        &diff_id,
+                        limits,
                     )
+                    .map_err(|e| {
+                        Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e)))
+                    })
                 })
                 .await
-                .map_err(|e| Error::Internal(format!("unpack task: {e}")))??;
-            Ok::<_, Error>((started, unpacked))
+                .map_err(|e| Error::Internal(format!("unpack task: {e}")))?;
+            // Put in place only on top of the layer below, even when nothing in this one
+            // needed it; its failure explains this one's.
+            if let Some(parent) = self.parent.clone() {
+                parent.await.map_err(below_failed)?;
+            }
+            Ok::<_, Error>((started, unpacked?))
         };
         // The unpack reads the download as it arrives; the layer's content is trusted only
         // once both finished: the download's digest check, then the unpack's diff-id check.

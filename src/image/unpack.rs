@@ -89,6 +89,9 @@ pub enum UnpackError {
         #[source]
         source: io::Error,
     },
+    /// The layers below, needed to place an entry, never came to be.
+    #[error("layer entry {entry:?}: the layer below: {reason}")]
+    Below { entry: String, reason: String },
     #[error("layer content digest is {actual}, the image config says {expected}")]
     DiffIdMismatch { expected: String, actual: String },
     #[error("layer unpacks to more than image.max_layer_unpacked_bytes = {limit} bytes{}", at_entry(.entry))]
@@ -136,6 +139,30 @@ pub fn unpack_layer(
     expected_diff_id: &str,
     limits: Limits,
 ) -> Result<Unpacked, UnpackError> {
+    unpack_layer_over(
+        compressed,
+        dest,
+        lowers,
+        &|| Ok(()),
+        expected_diff_id,
+        limits,
+    )
+}
+
+/// [`unpack_layer`] on layers below that may still be unpacking: `lowers_ready` blocks until
+/// they are all complete and in place (or says why they never will be), and is called once,
+/// the first time an entry needs to look at them. Entries of well-formed layers rarely do (a
+/// file whose parent directory has no entry of its own in this layer, a hard link to a lower
+/// file, a directory that covers a lower one without its own entry), so most of a layer
+/// unpacks while the layers below it still do.
+pub fn unpack_layer_over(
+    compressed: impl Read + Send,
+    dest: &Path,
+    lowers: &[PathBuf],
+    lowers_ready: &dyn Fn() -> Result<(), String>,
+    expected_diff_id: &str,
+    limits: Limits,
+) -> Result<Unpacked, UnpackError> {
     let mut input = io::BufReader::with_capacity(256 * 1024, compressed);
     let magic = peek(&mut input, 4).map_err(UnpackError::Read)?;
     let decoded: Box<dyn Read + Send + '_> = if magic.starts_with(&[0x1f, 0x8b]) {
@@ -180,7 +207,7 @@ pub fn unpack_layer(
         };
         // `chunks` is dropped when this returns, error or not: the hasher then sees its channel
         // closed and stops, and so the decoder after it.
-        let written = write_layer(chunks, dest, lowers, limits);
+        let written = write_layer(chunks, dest, lowers, lowers_ready, limits);
         let digest = hasher.join();
         let ended = decoder.join();
         written?;
@@ -320,6 +347,7 @@ fn write_layer(
     decoded: impl Read,
     dest: &Path,
     lowers: &[PathBuf],
+    lowers_ready: &dyn Fn() -> Result<(), String>,
     limits: Limits,
 ) -> Result<(), UnpackError> {
     let budget = Rc::new(StreamBudget::new(limits.max_bytes));
@@ -327,7 +355,7 @@ fn write_layer(
         inner: decoded,
         budget: budget.clone(),
     };
-    let mut unpacker = Unpacker::new(dest, lowers, limits)?;
+    let mut unpacker = Unpacker::new(dest, lowers, lowers_ready, limits)?;
     {
         let mut archive = tar::Archive::new(&mut stream);
         let mut entries = archive
@@ -537,7 +565,10 @@ enum LayerHit {
 struct Unpacker<'a> {
     dest: &'a Path,
     root: File,
+    /// The layers below, opened the first time an entry needs them (see `open_lowers`).
     lowers: Vec<(File, &'a Path)>,
+    lower_paths: &'a [PathBuf],
+    lowers_ready: Option<&'a dyn Fn() -> Result<(), String>>,
     /// Directory mtimes to set once everything inside is written.
     dir_times: Vec<(PathBuf, filetime::FileTime)>,
     /// Memo of lookups in the lower layers (they never change while we unpack).
@@ -566,21 +597,18 @@ struct Meta {
 }
 
 impl<'a> Unpacker<'a> {
-    fn new(dest: &'a Path, lowers: &'a [PathBuf], limits: Limits) -> Result<Self, UnpackError> {
-        let open = |p: &Path| {
-            at::open_root(p).map_err(|source| UnpackError::Io {
-                op: "open layer directory",
-                path: p.to_path_buf(),
-                source,
-            })
-        };
+    fn new(
+        dest: &'a Path,
+        lowers: &'a [PathBuf],
+        lowers_ready: &'a dyn Fn() -> Result<(), String>,
+        limits: Limits,
+    ) -> Result<Self, UnpackError> {
         Ok(Unpacker {
             dest,
-            root: open(dest)?,
-            lowers: lowers
-                .iter()
-                .map(|l| Ok((open(l)?, l.as_path())))
-                .collect::<Result<_, UnpackError>>()?,
+            root: open_layer_dir(dest)?,
+            lowers: Vec::new(),
+            lower_paths: lowers,
+            lowers_ready: Some(lowers_ready),
             dir_times: Vec::new(),
             lower_memo: HashMap::new(),
             limits,
@@ -1180,7 +1208,8 @@ impl<'a> Unpacker<'a> {
     }
 
     /// What the topmost lower layer that says anything about `rel` has there.
-    fn find_in_lowers(&self, rel: &Path, entry: &str) -> Result<Option<Found>, UnpackError> {
+    fn find_in_lowers(&mut self, rel: &Path, entry: &str) -> Result<Option<Found>, UnpackError> {
+        self.open_lowers(entry)?;
         for (root, path) in &self.lowers {
             let hit = layer_lookup(root, rel).map_err(|source| UnpackError::EntryIo {
                 entry: entry.into(),
@@ -1195,6 +1224,26 @@ impl<'a> Unpacker<'a> {
             }
         }
         Ok(None)
+    }
+
+    /// Waits, once, for the layers below to be in place, then opens them.
+    fn open_lowers(&mut self, entry: &str) -> Result<(), UnpackError> {
+        let Some(ready) = self.lowers_ready.take() else {
+            return Ok(());
+        };
+        if self.lower_paths.is_empty() {
+            return Ok(());
+        }
+        ready().map_err(|reason| UnpackError::Below {
+            entry: entry.into(),
+            reason,
+        })?;
+        self.lowers = self
+            .lower_paths
+            .iter()
+            .map(|l| Ok((open_layer_dir(l)?, l.as_path())))
+            .collect::<Result<_, UnpackError>>()?;
+        Ok(())
     }
 
     /// Copies a lower layer's `found` to `to/name` in this layer: content, owner, mode,
@@ -1278,6 +1327,15 @@ impl<'a> Unpacker<'a> {
         }
         Ok(())
     }
+}
+
+/// A layer directory, opened as the root its entries resolve in.
+fn open_layer_dir(p: &Path) -> Result<File, UnpackError> {
+    at::open_root(p).map_err(|source| UnpackError::Io {
+        op: "open layer directory",
+        path: p.to_path_buf(),
+        source,
+    })
 }
 
 /// Names `entry`, the operation and the path (for messages) in an I/O error.

@@ -314,6 +314,89 @@ fn lower_layer_symlinks_are_followed_inside_the_root() {
     );
 }
 
+/// Unpacks `tar` over `lowers` with a `lowers_ready` that counts its calls and answers
+/// `ready`.
+fn unpack_gated(
+    tar: &[u8],
+    dest: &Path,
+    lowers: &[PathBuf],
+    ready: Result<(), &str>,
+) -> (Result<Unpacked, UnpackError>, usize) {
+    let calls = std::cell::Cell::new(0);
+    let gate = || {
+        calls.set(calls.get() + 1);
+        ready.map_err(String::from)
+    };
+    let r = unpack_layer_over(
+        Cursor::new(tar.to_vec()),
+        dest,
+        lowers,
+        &gate,
+        &diff_id(tar),
+        Limits::UNLIMITED,
+    );
+    (r, calls.get())
+}
+
+#[test]
+fn the_layers_below_are_waited_for_only_when_an_entry_needs_them() {
+    let root = tempfile::tempdir().unwrap();
+    let l0 = layer_dir(&root, "l0");
+    unpack(
+        &tarball(&[
+            E::Dir("usr/lib/", 0o700),
+            E::Symlink("lib", "usr/lib"),
+            E::Dir("etc/", 0o755),
+            E::File("etc/passwd", b"root", 0o644),
+        ]),
+        &l0,
+        &[],
+    )
+    .unwrap();
+    let lowers = std::slice::from_ref(&l0);
+
+    // Every entry's parent has its own entry in the layer: unpacked while the layer below
+    // is not there yet.
+    let own = tarball(&[
+        E::Dir("etc/", 0o755),
+        E::File("etc/hosts", b"h", 0o644),
+        E::Dir("lib/", 0o755),
+        E::File("lib/own.so", b"o", 0o644),
+    ]);
+    let l1 = layer_dir(&root, "l1");
+    let (r, calls) = unpack_gated(&own, &l1, lowers, Err("not yet"));
+    r.unwrap();
+    assert_eq!(calls, 0);
+    assert_eq!(fs::read(l1.join("lib/own.so")).unwrap(), b"o");
+
+    // A file under a lower symlink and a hard link to a lower file: the layers below are
+    // waited for, once, and then used.
+    let through = tarball(&[
+        E::File("lib/libc.so", b"c", 0o644),
+        E::Hardlink("etc/passwd2", "etc/passwd"),
+    ]);
+    let l2 = layer_dir(&root, "l2");
+    let (r, calls) = unpack_gated(&through, &l2, lowers, Ok(()));
+    r.unwrap();
+    assert_eq!(calls, 1);
+    assert_eq!(fs::read(l2.join("usr/lib/libc.so")).unwrap(), b"c");
+    assert_eq!(fs::read(l2.join("etc/passwd2")).unwrap(), b"root");
+
+    // The layers below never come: the entry that needed them fails, saying why.
+    let l3 = layer_dir(&root, "l3");
+    let (r, calls) = unpack_gated(&through, &l3, lowers, Err("download failed"));
+    assert_eq!(calls, 1);
+    match r.unwrap_err() {
+        UnpackError::Below { entry, reason } => {
+            assert_eq!(
+                (entry.as_str(), reason.as_str()),
+                ("lib/libc.so", "download failed")
+            )
+        }
+        e => panic!("{e}"),
+    }
+}
+
 #[test]
 fn symlink_escapes_are_contained() {
     let sb = Sandbox::new();
