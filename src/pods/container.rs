@@ -124,11 +124,12 @@ impl Runtime {
                 .map_err(|e| Error::Internal(format!("CDI task: {e}")))?
         }
         .map_err(|e| Error::from(e).context(format!("container {}", req.name)))?;
-        let target_pid = if req.security.pid == NsMode::Target {
+        let target = if req.security.pid == NsMode::Target {
             Some(self.pid_target(&pod, &req).await?)
         } else {
             None
         };
+        let target_pid = target.as_ref().map(|(_, pid)| *pid);
         let root = bundle.join("rootfs");
         let t_prepared = t0.elapsed();
         rootfs::mount_overlay(&lowers, &layer.join("upper"), &layer.join("work"), &root)?;
@@ -167,10 +168,8 @@ impl Runtime {
             stdin: req.stdin,
             stdin_once: req.stdin_once,
             tty: req.tty,
-            pid_target: match target_pid {
-                Some(_) => req.security.pid_target.clone(),
-                None => String::new(),
-            },
+            // The full id: the request may have named the target by a prefix.
+            pid_target: target.map(|(id, _)| id).unwrap_or_default(),
         };
         if let Err(e) = monitor.create(&create).await {
             // A monitor found gone turns the pod NotReady here, not only at the next relist:
@@ -294,9 +293,9 @@ impl Runtime {
         })
     }
 
-    /// The pid whose PID namespace a TARGET-mode container joins: a running container of the
-    /// same pod.
-    async fn pid_target(&self, pod: &PodRecord, req: &ContainerSpecReq) -> Result<u32> {
+    /// The container (its full id) and pid whose PID namespace a TARGET-mode container joins:
+    /// a running container of the same pod.
+    async fn pid_target(&self, pod: &PodRecord, req: &ContainerSpecReq) -> Result<(String, u32)> {
         let target = &req.security.pid_target;
         let c = self
             .container_record(target)
@@ -314,7 +313,7 @@ impl Runtime {
                 req.name
             )));
         }
-        Ok(s.pid)
+        Ok((c.id, s.pid))
     }
 
     pub async fn start_container(&self, id: &str) -> Result<()> {

@@ -360,13 +360,22 @@ fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>
     let Some(pending) = inner.take(kind, token) else {
         return plain(StatusCode::NOT_FOUND, "unknown or expired streaming token");
     };
-    // Tokens issued before the sessions filled up must not take them past the bound.
-    if inner.sessions.load(Ordering::SeqCst) >= MAX_SESSIONS {
+    // The session's place, taken now: tokens issued before the sessions filled up, upgraded
+    // at once, must not take them past the bound. Given back when the session (or a failed
+    // upgrade) ends, or when this request goes no further.
+    if inner
+        .sessions
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+            (n < MAX_SESSIONS).then_some(n + 1)
+        })
+        .is_err()
+    {
         return plain(
             StatusCode::SERVICE_UNAVAILABLE,
             "the streaming server runs as many sessions as it serves at once",
         );
     }
+    let place = Place(inner.clone());
     let headers = req.headers();
     let upgrade = headers
         .get(UPGRADE)
@@ -471,18 +480,18 @@ fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>
                 return;
             }
         };
-        inner.sessions.fetch_add(1, Ordering::SeqCst);
-        let _guard = Counted(&inner.sessions);
+        let _place = place;
         run_session(&inner, io, pending, proto).await;
     });
     resp
 }
 
-struct Counted<'a>(&'a AtomicUsize);
+/// A place among the `MAX_SESSIONS` sessions, given back when dropped.
+struct Place(Arc<Inner>);
 
-impl Drop for Counted<'_> {
+impl Drop for Place {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.0.sessions.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -94,7 +94,7 @@ const MAX_UNCLAIMED: usize = 256;
 #[derive(Default)]
 pub(crate) struct Reaped {
     pub waiting: HashMap<i32, tokio::sync::oneshot::Sender<WaitStatus>>,
-    pub unclaimed: HashMap<i32, WaitStatus>,
+    pub unclaimed: HashMap<i32, (std::time::Instant, WaitStatus)>,
 }
 
 impl Reaped {
@@ -105,9 +105,22 @@ impl Reaped {
         if self.unclaimed.len() >= MAX_UNCLAIMED {
             self.unclaimed.clear();
         }
-        self.unclaimed.insert(pid, ws);
+        self.unclaimed.insert(pid, (std::time::Instant::now(), ws));
+    }
+
+    /// The exit of `pid`, a process just made, if it was reaped before its waiter came: only a
+    /// fresh one, since an old orphan's exit under a pid reused since is not this process's.
+    pub fn claim(&mut self, pid: i32) -> Option<WaitStatus> {
+        self.unclaimed
+            .remove(&pid)
+            .filter(|(at, _)| at.elapsed() < UNCLAIMED_FOR)
+            .map(|(_, ws)| ws)
     }
 }
+
+/// How long an unclaimed exit can still be claimed: a process's waiter comes within the same
+/// call that made it.
+const UNCLAIMED_FOR: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub(crate) struct State {
     pub opts: Options,
@@ -358,6 +371,16 @@ mod tests {
             assert!(r.unclaimed.len() <= MAX_UNCLAIMED);
         }
         let last = 10 * MAX_UNCLAIMED as i32;
-        assert_eq!(r.unclaimed.remove(&last), Some(exit(last)));
+        assert_eq!(r.claim(last), Some(exit(last)));
+        assert_eq!(r.claim(last), None);
+        // An old one is not handed to a process that reuses its pid.
+        r.unclaimed.insert(
+            7,
+            (
+                std::time::Instant::now() - UNCLAIMED_FOR - std::time::Duration::from_secs(1),
+                exit(7),
+            ),
+        );
+        assert_eq!(r.claim(7), None);
     }
 }

@@ -336,11 +336,6 @@ pub(super) fn in_helper(
     match unsafe { nix::unistd::fork() }.map_err(|e| err("fork helper", e))? {
         nix::unistd::ForkResult::Child => {
             drop(r);
-            // Rust ignores SIGPIPE in the monitor, and an ignored signal stays ignored across
-            // fork and exec: without this every container process would start with SIGPIPE
-            // ignored (runc's containers start with it at its default, as programs expect).
-            // SAFETY: no handler is installed, only the default disposition restored.
-            unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
             let listener = LISTENER_FD.load(std::sync::atomic::Ordering::Relaxed);
             if listener >= 0 {
                 // SAFETY: the child's copy of the listener; nothing in the child uses it.
@@ -400,22 +395,31 @@ pub(super) fn in_helper(
     }
 }
 
-/// Runs exec'd processes under the container's seccomp filter.
+/// The last steps of a container's init or an exec'd process before `execvp`.
 ///
-/// libcontainer builds an exec's spec without the container's `linux.seccomp`, so an exec would
-/// escape the filter its container runs under. This executor installs it as the last step
-/// before `execvp`. By then the process holds only the container's capabilities; without
+/// SIGPIPE back at its default: Rust ignores it in the monitor, and an ignored signal stays
+/// ignored through libcontainer's forks and the exec, where runc's containers start with it at
+/// its default, as programs expect. Restored only here, at the end: libcontainer's own
+/// processes report failures over sockets whose reader may be gone, and must get EPIPE
+/// there, not die (a failed startContainer hook is known by its init's exit status 255).
+///
+/// And an exec's seccomp filter: libcontainer builds an exec's spec without the container's
+/// `linux.seccomp`, so an exec would escape the filter its container runs under. It is
+/// installed last, when the process holds only the container's capabilities; without
 /// CAP_SYS_ADMIN the kernel accepts a filter only under no_new_privs, which is then set.
 #[derive(Clone)]
-pub(super) struct ExecUnderSeccomp {
+pub(super) struct Workload {
+    /// For an exec: its container's filter (a container's init gets its own from the spec).
     pub(super) seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
 }
 
-impl libcontainer::workload::Executor for ExecUnderSeccomp {
+impl libcontainer::workload::Executor for Workload {
     fn exec(
         &self,
         spec: &oci_spec::runtime::Spec,
     ) -> Result<(), libcontainer::workload::ExecutorError> {
+        // SAFETY: no handler is installed, only the default disposition restored.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
         if let Some(filter) = &self.seccomp {
             // CAP_SYS_ADMIN is bit 21 of the effective set.
             let has_sys_admin = std::fs::read_to_string("/proc/self/status")
@@ -626,6 +630,7 @@ impl Svc {
                 )),
             })?;
             let c = ContainerBuilder::new(id.clone(), SyscallType::default())
+                .with_executor(Workload { seccomp: None })
                 .with_root_path(root)
                 .map_err(|e| lc_err("state root", e))?
                 .with_console_socket(console_path)
@@ -911,7 +916,7 @@ impl Svc {
         let process = pfile.clone();
         let built = in_helper(&self.state, move || {
             ContainerBuilder::new(id.clone(), SyscallType::default())
-                .with_executor(ExecUnderSeccomp { seccomp })
+                .with_executor(Workload { seccomp })
                 .with_root_path(root)
                 .map_err(|e| lc_err("state root", e))?
                 .with_stdin(stdin)
@@ -929,7 +934,7 @@ impl Svc {
         let rx = {
             let mut st = self.state.lock().expect("state");
             let (tx, rx) = tokio::sync::oneshot::channel();
-            match st.reaped.unclaimed.remove(&pid.as_raw()) {
+            match st.reaped.claim(pid.as_raw()) {
                 Some(ws) => {
                     let _ = tx.send(ws);
                 }

@@ -14,7 +14,7 @@ use nix::sys::wait::WaitStatus;
 use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncRead;
 
-use super::service::{devnull, err, in_helper, lc_err, pipe, ConsoleSocket, ExecUnderSeccomp};
+use super::service::{devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Workload};
 use super::wire::{self, stream, Status, STREAM_CHUNK};
 use super::{now_nanos, Phase, Shared};
 
@@ -448,7 +448,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     let process_file = pfile.clone();
     let built = in_helper(state, move || {
         ContainerBuilder::new(id.clone(), SyscallType::default())
-            .with_executor(ExecUnderSeccomp { seccomp })
+            .with_executor(Workload { seccomp })
             .with_root_path(root)
             .map_err(|e| lc_err("state root", e))?
             .with_console_socket(console_path)
@@ -474,7 +474,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     let exited = {
         let mut st = state.lock().expect("state");
         let (tx, rx) = tokio::sync::oneshot::channel();
-        match st.reaped.unclaimed.remove(&pid.as_raw()) {
+        match st.reaped.claim(pid.as_raw()) {
             Some(ws) => {
                 let _ = tx.send(ws);
             }
