@@ -1420,28 +1420,33 @@ async fn a_monitor_answers_bad_calls_with_errors_and_keeps_serving() {
     // (TARGET whose container exited after the daemon looked it up) is refused before any
     // process is made: the pid may name another process by then.
     let bundle = tempfile::tempdir().unwrap();
-    std::fs::write(
-        bundle.path().join("config.json"),
-        serde_json::to_vec(&serde_json::json!({
-            "ociVersion": "1.0.2",
-            "linux": {"namespaces": [{"type": "pid", "path": "/proc/1/ns/pid"}, {"type": "mount"}]}
-        }))
-        .unwrap(),
-    )
-    .unwrap();
+    // A spec that joins the PID namespace at `path` and nothing else of use.
+    let spec_joining = |path: &str| {
+        std::fs::write(
+            bundle.path().join("config.json"),
+            serde_json::to_vec(&serde_json::json!({
+                "ociVersion": "1.0.2",
+                "linux": {"namespaces": [{"type": "pid", "path": path}, {"type": "mount"}]}
+            }))
+            .unwrap(),
+        )
+        .unwrap()
+    };
+    let create = |req: &hako_proto::monitor::CreateContainerRequest| {
+        let body = prost::Message::encode_to_vec(req);
+        async move {
+            let (status, msg) = call(Method::CreateContainer as u8, body).await.unwrap();
+            (status, String::from_utf8_lossy(&msg).into_owned())
+        }
+    };
+    spec_joining("/proc/1/ns/pid");
     let req = hako_proto::monitor::CreateContainerRequest {
         id: "target-gone".into(),
         bundle: bundle.path().display().to_string(),
         log_path: logs.path().join("target-gone.log").display().to_string(),
         ..Default::default()
     };
-    let (status, msg) = call(
-        Method::CreateContainer as u8,
-        prost::Message::encode_to_vec(&req),
-    )
-    .await
-    .unwrap();
-    let msg = String::from_utf8_lossy(&msg);
+    let (status, msg) = create(&req).await;
     assert_eq!(status, code::FAILED_PRECONDITION, "{msg}");
     assert!(msg.contains("pid 1) is no longer running"), "{msg}");
     let mut c = tokio::net::UnixStream::connect(&short).await.unwrap();
@@ -1470,30 +1475,13 @@ async fn a_monitor_answers_bad_calls_with_errors_and_keeps_serving() {
     )
     .await;
     let other_pid = container_pid(&mut rt, &other).await;
-    std::fs::write(
-        bundle.path().join("config.json"),
-        serde_json::to_vec(&serde_json::json!({
-            "ociVersion": "1.0.2",
-            "linux": {"namespaces": [
-                {"type": "pid", "path": format!("/proc/{other_pid}/ns/pid")},
-                {"type": "mount"}
-            ]}
-        }))
-        .unwrap(),
-    )
-    .unwrap();
+    spec_joining(&format!("/proc/{other_pid}/ns/pid"));
     let req = hako_proto::monitor::CreateContainerRequest {
         id: "target-reused".into(),
         pid_target: id.clone(),
         ..req
     };
-    let (status, msg) = call(
-        Method::CreateContainer as u8,
-        prost::Message::encode_to_vec(&req),
-    )
-    .await
-    .unwrap();
-    let msg = String::from_utf8_lossy(&msg);
+    let (status, msg) = create(&req).await;
     assert_eq!(status, code::FAILED_PRECONDITION, "{msg}");
     assert!(
         msg.contains(&format!(
@@ -1504,25 +1492,8 @@ async fn a_monitor_answers_bad_calls_with_errors_and_keeps_serving() {
     // Named by its own pid, the target is joined: the check lets the create through (it then
     // fails on this bundle, which has no rootfs; nothing of it is left in the monitor).
     let id_pid = container_pid(&mut rt, &id).await;
-    std::fs::write(
-        bundle.path().join("config.json"),
-        serde_json::to_vec(&serde_json::json!({
-            "ociVersion": "1.0.2",
-            "linux": {"namespaces": [
-                {"type": "pid", "path": format!("/proc/{id_pid}/ns/pid")},
-                {"type": "mount"}
-            ]}
-        }))
-        .unwrap(),
-    )
-    .unwrap();
-    let (status, msg) = call(
-        Method::CreateContainer as u8,
-        prost::Message::encode_to_vec(&req),
-    )
-    .await
-    .unwrap();
-    let msg = String::from_utf8_lossy(&msg);
+    spec_joining(&format!("/proc/{id_pid}/ns/pid"));
+    let (status, msg) = create(&req).await;
     assert_ne!(status, code::OK, "{msg}");
     assert!(!msg.contains("no longer running"), "{msg}");
     remove_pod(&mut rt, &pod).await;
@@ -2310,7 +2281,7 @@ async fn exec_sync_stops_reading_what_its_background_processes_write() {
     )
     .await;
     assert_eq!(out, "first\ndone");
-    let status = |rt: &mut Rt, script: &'static str| {
+    let exit_code = |script: &'static str| {
         let mut rt = rt.clone();
         let id = id.clone();
         async move {
@@ -2326,7 +2297,7 @@ async fn exec_sync_stops_reading_what_its_background_processes_write() {
         }
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    while status(&mut rt, "test -e /tmp/started").await != 0 {
+    while exit_code("test -e /tmp/started").await != 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "the background process never started"
@@ -2337,7 +2308,7 @@ async fn exec_sync_stops_reading_what_its_background_processes_write() {
     // counts.
     let live_yes =
         "for p in $(pidof yes); do grep -q '^State:.*Z' /proc/$p/status || exit 0; done; exit 1";
-    while status(&mut rt, live_yes).await == 0 {
+    while exit_code(live_yes).await == 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "the background yes still runs long after ExecSync answered: its output is still read"

@@ -4,12 +4,13 @@
 //! Each layer is one spawned task keyed by chain id in `Inner::inflight`: a second pull of the
 //! same image (or of another image sharing a layer) awaits the same task instead of downloading
 //! again. Downloads of one image run in parallel (bounded by `max_concurrent_downloads`), and
-//! so do the unpacks of up to `max_concurrent_unpacks` layers, each reading its download as it arrives.
-//! An unpack waits for the layers below only when an entry's path must resolve through them
-//! (`unpack::unpack_layer_over`), and a layer is put in place only once the one below is. The
-//! layer below need not be synced and recorded yet: its `syncfs` overlaps this unpack, and
-//! each layer is still recorded only after a sync that covers its files. A task runs to completion even if every pull that asked
-//! for it is cancelled, so a half-written directory is never left to a dropped future.
+//! so do the unpacks of up to `max_concurrent_unpacks` layers, each reading its download as it
+//! arrives. An unpack waits for the layers below only when an entry's path must resolve
+//! through them (`unpack::unpack_layer_over`), and a layer is put in place only once the one
+//! below is. The layer below need not be synced and recorded yet: its `syncfs` overlaps this
+//! unpack, and each layer is still recorded only after a sync that covers its files. A task
+//! runs to completion even if every pull that asked for it is cancelled, so a half-written
+//! directory is never left to a dropped future.
 
 use std::future::Future;
 use std::os::fd::AsRawFd;

@@ -161,7 +161,7 @@ impl Runtime {
         // by the thread until it ends (even when this call was given up).
         static CONNECTS: std::sync::OnceLock<ConnectPermits> = std::sync::OnceLock::new();
         let permit = CONNECTS
-            .get_or_init(ConnectPermits::default)
+            .get_or_init(ConnectPermits::new)
             .acquire(&pod.id)
             .await?;
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -201,13 +201,19 @@ const MAX_CONNECTING: usize = 256;
 const MAX_CONNECTING_PER_POD: usize = 16;
 
 /// The permits of port-forward connects: a pod's own, then one of the node's.
-#[derive(Default)]
 struct ConnectPermits {
     pods: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
-    node: std::sync::OnceLock<Arc<tokio::sync::Semaphore>>,
+    node: Arc<tokio::sync::Semaphore>,
 }
 
 impl ConnectPermits {
+    fn new() -> Self {
+        ConnectPermits {
+            pods: Default::default(),
+            node: Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTING)),
+        }
+    }
+
     async fn acquire(&self, pod: &str) -> Result<ConnectPermit> {
         let closed = |_| Error::Internal("the port-forward semaphore closed".into());
         let of_pod = {
@@ -219,13 +225,7 @@ impl ConnectPermits {
                 .clone()
         };
         let pod = of_pod.acquire_owned().await.map_err(closed)?;
-        let node = self
-            .node
-            .get_or_init(|| Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTING)))
-            .clone()
-            .acquire_owned()
-            .await
-            .map_err(closed)?;
+        let node = self.node.clone().acquire_owned().await.map_err(closed)?;
         Ok(ConnectPermit {
             _pod: pod,
             _node: node,
@@ -403,7 +403,7 @@ mod tests {
     /// One pod's connects, all stuck, hold its own share and no other pod's.
     #[tokio::test]
     async fn a_pod_whose_connects_hang_holds_up_only_its_own() {
-        let permits = ConnectPermits::default();
+        let permits = ConnectPermits::new();
         let mut stuck = Vec::new();
         for _ in 0..MAX_CONNECTING_PER_POD {
             stuck.push(permits.acquire("a").await.unwrap());
