@@ -900,7 +900,15 @@ mod tests {
         use std::io::Write;
         child.stdin.take().unwrap().write_all(b"go\n").unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while sample(&path).map_or(0, |s| s.cpu_usage_ns) < 10_000_000 {
+        // Until the CPU by mode shows it too: v1's cpuacct.stat counts in whole clock ticks
+        // sampled at the scheduler tick, so 10 ms of usage may still read 0 there (CI saw it).
+        let spun = |s: &Sample| {
+            s.cpu_usage_ns >= 10_000_000
+                && s.detail
+                    .as_ref()
+                    .is_some_and(|d| d.cpu_user_ns + d.cpu_system_ns > 0)
+        };
+        while !sample_detailed(&path).is_ok_and(|s| spun(&s)) {
             assert!(std::time::Instant::now() < deadline, "the shell never spun");
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
