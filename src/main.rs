@@ -116,10 +116,16 @@ fn main() -> ExitCode {
             // set theirs back to 022.
             nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
             limit_malloc_arenas();
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .expect("tokio runtime");
+            let mut rt = tokio::runtime::Builder::new_multi_thread();
+            // For tests: a pool this small stands for one that other work has filled.
+            if let Some(n) = std::env::var("HAKO_MAX_BLOCKING_THREADS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&n| n > 0)
+            {
+                rt.max_blocking_threads(n);
+            }
+            let rt = rt.enable_all().build().expect("tokio runtime");
             match rt.block_on(hako::daemon::serve(cfg)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

@@ -825,6 +825,59 @@ async fn a_layer_is_unpacked_while_it_downloads() {
     assert_eq!(std::fs::read(format!("{top_fs}/noise")).unwrap(), noise);
 }
 
+/// An unpack waits for its download and, for some entries, for the layer below; the downloads
+/// write their files through tokio's blocking pool. With that pool full (here: one thread,
+/// standing for a node with hundreds of pulls at once), a pull still completes, since unpacks
+/// do not wait on pool threads.
+#[tokio::test(flavor = "multi_thread")]
+async fn pulls_complete_with_the_blocking_pool_full() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    // The middle layer adds a file to a directory only the base has, so its unpack asks for
+    // the layers below; the top one is 2 MiB, more than one buffered write of its download.
+    let mut mid = oci::Tar::default();
+    mid.file("bin/added", b"mid", 0o755);
+    let mut noise = Vec::with_capacity(2 << 20);
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    while noise.len() < 2 << 20 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        noise.extend_from_slice(&x.to_le_bytes());
+    }
+    let mut top = oci::Tar::default();
+    top.file("noise", &noise, 0o644);
+    let img = Image::new(
+        vec![
+            Layer::new(base(), Compression::Gzip, false),
+            Layer::new(&mid.finish(), Compression::Gzip, false),
+            Layer::new(&top.finish(), Compression::Zstd, false),
+        ],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("pool/img", "1", &img).await;
+    let h = Hako::start_with_env(
+        "[image]\npull_progress_timeout_secs = 10\n",
+        &[("HAKO_MAX_BLOCKING_THREADS", "1")],
+    );
+    let name = format!("{}/pool/img:1", reg.addr);
+    let id = tokio::time::timeout(Duration::from_secs(60), pull(&h, &name))
+        .await
+        .expect("the pull ended")
+        .unwrap_or_else(|e| panic!("pull {name}: {e}\n{}", h.log_text()));
+    assert_eq!(id, img.id());
+    let info = verbose_info(&h, &id).await;
+    let fs = |i: usize| info["snapshots"][i].as_str().unwrap().to_string();
+    assert_eq!(
+        std::fs::read(format!("{}/bin/added", fs(1))).unwrap(),
+        b"mid"
+    );
+    assert_eq!(std::fs::read(format!("{}/noise", fs(2))).unwrap(), noise);
+}
+
 /// A tar of one one-byte file whose name is written raw (up to 100 bytes), below the tar
 /// builder's own checks.
 fn raw_entry_tar(name: &str) -> Vec<u8> {

@@ -630,32 +630,42 @@ impl LayerJob {
             let parent = self.parent.clone();
             let runtime = tokio::runtime::Handle::current();
             let started = Instant::now();
-            let unpacked =
-                tokio::task::spawn_blocking(move || -> Result<super::unpack::Unpacked> {
-                    std::fs::create_dir_all(&fs_dir)
-                        .map_err(|e| Error::io("create directory", &fs_dir, e))?;
-                    let f =
-                        std::fs::File::open(&ingest).map_err(|e| Error::io("open", &ingest, e))?;
-                    let r = GrowingReader { file: f, growth };
-                    // A blocking pool thread may wait on the layer below's task.
-                    let lowers_ready = || match &parent {
-                        Some(p) => runtime.block_on(p.clone()).map_err(|e| chain(&*e)),
-                        None => Ok(()),
-                    };
-                    super::unpack::unpack_layer_over(
-                        r,
-                        &fs_dir,
-                        &lowers,
-                        &lowers_ready,
-                        &diff_id,
-                        limits,
-                    )
-                    .map_err(|e| {
-                        Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e)))
-                    })
+            // A thread of its own, not tokio's blocking pool: the unpack may wait on the layer
+            // below, and it waits for its download, whose file writes go through that pool. On
+            // pool threads, enough pulls at once (a layer waiting on another per thread) would
+            // leave the downloads no thread to write with, and every pull would stall.
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let work = move || -> Result<super::unpack::Unpacked> {
+                std::fs::create_dir_all(&fs_dir)
+                    .map_err(|e| Error::io("create directory", &fs_dir, e))?;
+                let f = std::fs::File::open(&ingest).map_err(|e| Error::io("open", &ingest, e))?;
+                let r = GrowingReader { file: f, growth };
+                let lowers_ready = || match &parent {
+                    Some(p) => runtime.block_on(p.clone()).map_err(|e| chain(&*e)),
+                    None => Ok(()),
+                };
+                super::unpack::unpack_layer_over(
+                    r,
+                    &fs_dir,
+                    &lowers,
+                    &lowers_ready,
+                    &diff_id,
+                    limits,
+                )
+                .map_err(|e| {
+                    Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e)))
                 })
-                .await
-                .map_err(|e| Error::Internal(format!("unpack task: {e}")))?;
+            };
+            std::thread::Builder::new()
+                .name("unpack".into())
+                .spawn(move || {
+                    let _ = tx.send(work());
+                })
+                .map_err(|e| Error::Internal(format!("start the unpack thread: {e}")))?;
+            // The sender dropped without an answer: the thread panicked.
+            let unpacked = rx.await.map_err(|_| {
+                Error::Internal(format!("unpack of layer {} panicked", self.digest))
+            })?;
             // Put in place only on top of the layer below, even when nothing in this one
             // needed it; its failure explains this one's.
             if let Some(parent) = self.parent.clone() {

@@ -33,6 +33,8 @@ pub struct Hako {
     pub config: PathBuf,
     pub log: PathBuf,
     child: Option<Child>,
+    /// Set in the daemon's environment, at every start.
+    env: Vec<(String, String)>,
 }
 
 impl Hako {
@@ -44,6 +46,15 @@ impl Hako {
     /// As `start`, with the state dir at `state` under the temp dir (deep paths test socket
     /// path limits).
     pub fn start_with_state(extra: &str, state: &str) -> Hako {
+        Self::start_with(extra, state, &[])
+    }
+
+    /// As `start`, with `env` set in the daemon's environment.
+    pub fn start_with_env(extra: &str, env: &[(&str, &str)]) -> Hako {
+        Self::start_with(extra, "state", env)
+    }
+
+    fn start_with(extra: &str, state: &str, env: &[(&str, &str)]) -> Hako {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("root");
         let certs_d = dir.path().join("certs.d");
@@ -94,6 +105,10 @@ impl Hako {
             config,
             log,
             child: None,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         h.spawn();
         h
@@ -111,6 +126,7 @@ impl Hako {
             .args(["serve", "--config"])
             .arg(&self.config)
             .env("HAKO_LOG", "hako=debug,info")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::from(log.try_clone().unwrap()))
             .stderr(Stdio::from(log))
             .spawn()
