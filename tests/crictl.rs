@@ -885,6 +885,110 @@ async fn crictl_exec_attach_port_forward() {
     c.ok(&["rmp", &p.pod]);
 }
 
+/// A pod with one `sleep` container, made through crictl: the pod's and the container's ids.
+fn sleeping_pod(c: &Crictl, dir: &std::path::Path, name: &str, image: &str) -> (String, String) {
+    let pod_json = dir.join(format!("{name}-pod.json"));
+    std::fs::write(
+        &pod_json,
+        serde_json::json!({
+            "metadata": {"name": name, "namespace": "default", "uid": format!("{name}-uid")},
+            "log_directory": dir.join(name),
+            "linux": {}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let ctr_json = dir.join(format!("{name}-ctr.json"));
+    std::fs::write(
+        &ctr_json,
+        serde_json::json!({
+            "metadata": {"name": "sleeper"},
+            "image": {"image": image},
+            "command": ["sleep", "100000"],
+            "log_path": "sleeper.log",
+            "linux": {}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let pod = c
+        .ok(&["runp", pod_json.to_str().unwrap()])
+        .trim()
+        .to_string();
+    let ctr = c
+        .ok(&[
+            "create",
+            &pod,
+            ctr_json.to_str().unwrap(),
+            pod_json.to_str().unwrap(),
+        ])
+        .trim()
+        .to_string();
+    c.ok(&["start", &ctr]);
+    (pod, ctr)
+}
+
+/// One pod's users hold at most a quarter of the node's streaming sessions: once a pod holds
+/// 256 (here: URLs nobody has used yet), its next Exec, Attach and PortForward answer
+/// UNAVAILABLE naming it, and another pod's sessions still run.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_pod_cannot_take_every_streaming_session() {
+    let Some((_reg, h, image)) = busybox_and_hako("").await else {
+        return;
+    };
+    let c = Crictl {
+        bin: support::which("crictl").unwrap(),
+        hako: &h,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (greedy, greedy_ctr) = sleeping_pod(&c, dir.path(), "greedy", &image);
+    let (other, other_ctr) = sleeping_pod(&c, dir.path(), "other", &image);
+    let mut rt = h.runtime().await;
+    let exec = || hako_proto::cri::ExecRequest {
+        container_id: greedy_ctr.clone(),
+        cmd: vec!["true".into()],
+        stdout: true,
+        ..Default::default()
+    };
+    for n in 0..256 {
+        rt.exec(exec())
+            .await
+            .unwrap_or_else(|e| panic!("exec URL {n} of the pod's share: {e}"));
+    }
+    let refused = [
+        rt.exec(exec()).await.unwrap_err(),
+        rt.attach(hako_proto::cri::AttachRequest {
+            container_id: greedy_ctr.clone(),
+            stdout: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err(),
+        rt.port_forward(hako_proto::cri::PortForwardRequest {
+            pod_sandbox_id: greedy[..12].to_string(),
+            port: vec![80],
+        })
+        .await
+        .unwrap_err(),
+    ];
+    for e in refused {
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e}");
+        assert!(
+            e.message()
+                .contains(&format!("pod {greedy} holds 256 sessions")),
+            "{e}"
+        );
+    }
+    assert_eq!(
+        c.ok(&["exec", &other_ctr, "echo", "still-served"]).trim(),
+        "still-served"
+    );
+    for pod in [&greedy, &other] {
+        c.ok(&["stopp", pod]);
+        c.ok(&["rmp", pod]);
+    }
+}
+
 /// A tmux server on its own socket, without a status line (so a pane is the window's size);
 /// killed with everything in it when dropped.
 struct Tmux {

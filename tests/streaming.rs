@@ -251,7 +251,10 @@ async fn exec_reports_exit_codes_and_outputs() {
     let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
     for t in TRANSPORTS {
         let url = server
-            .exec_url(exec_req("echo out; echo err >&2; exit 7", false, false))
+            .exec_url(
+                "pod1",
+                exec_req("echo out; echo err >&2; exit 7", false, false),
+            )
             .unwrap();
         let out = run(&[&["exec"], t, &[&url]].concat(), b"").await;
         assert_eq!(
@@ -260,14 +263,14 @@ async fn exec_reports_exit_codes_and_outputs() {
             "{t:?}"
         );
         let url = server
-            .exec_url(exec_req("echo fine", false, false))
+            .exec_url("pod1", exec_req("echo fine", false, false))
             .unwrap();
         let out = run(&[&["exec"], t, &[&url]].concat(), b"").await;
         assert_eq!((out.code, out.stdout.as_str()), (0, "fine\n"), "{t:?}");
         // A command the backend cannot start: a Failure status naming the cause.
         let mut req = exec_req("", false, false);
         req.cmd = vec!["/nonexistent/tool".into()];
-        let url = server.exec_url(req).unwrap();
+        let url = server.exec_url("pod1", req).unwrap();
         let out = run(&[&["exec"], t, &[&url]].concat(), b"").await;
         assert_eq!(out.code, 125, "{t:?}: {}", out.stderr);
         assert!(
@@ -283,7 +286,7 @@ async fn exec_reports_exit_codes_and_outputs() {
         (&[][..], "v2.channel.k8s.io", 125),
     ] {
         let url = server
-            .exec_url(exec_req("echo out; exit 7", false, false))
+            .exec_url("pod1", exec_req("echo out; exit 7", false, false))
             .unwrap();
         let out = run(&[&["exec", "-proto", proto], t, &[&url]].concat(), b"").await;
         assert_eq!(
@@ -309,7 +312,7 @@ async fn exec_stdin_reaches_the_process_and_its_end_closes_it() {
     let big: String = (0..20000).map(|i| format!("line {i}\n")).collect();
     for t in TRANSPORTS {
         let url = server
-            .exec_url(exec_req("cat; echo done", false, true))
+            .exec_url("pod1", exec_req("cat; echo done", false, true))
             .unwrap();
         let out = run(&[&["exec", "-stdin"], t, &[&url]].concat(), big.as_bytes()).await;
         assert_eq!(out.code, 0, "{t:?}: {}", out.stderr);
@@ -328,7 +331,9 @@ async fn exec_with_a_tty_follows_resizes() {
     // The shell waits for the last size (the test's deadline fails it if it never comes).
     let script = r#"while [ "$(stty size)" != "30 100" ]; do sleep 0.05; done; stty size; exit 3"#;
     for t in TRANSPORTS {
-        let url = server.exec_url(exec_req(script, true, false)).unwrap();
+        let url = server
+            .exec_url("pod1", exec_req(script, true, false))
+            .unwrap();
         let out = run(
             &[&["exec", "-tty", "-resize", "80x24,100x30"], t, &[&url]].concat(),
             b"",
@@ -349,13 +354,16 @@ async fn attach_joins_stdio() {
     let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
     for t in TRANSPORTS {
         let url = server
-            .attach_url(AttachRequest {
-                container_id: "c1".into(),
-                tty: false,
-                stdin: true,
-                stdout: true,
-                stderr: true,
-            })
+            .attach_url(
+                "pod1",
+                AttachRequest {
+                    container_id: "c1".into(),
+                    tty: false,
+                    stdin: true,
+                    stdout: true,
+                    stderr: true,
+                },
+            )
             .unwrap();
         let out = run(&[&["exec", "-stdin"], t, &[&url]].concat(), b"typed\n").await;
         assert_eq!(
@@ -470,26 +478,35 @@ async fn killed_clients_leave_nothing_behind() {
     let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
     let attach = || {
         server
-            .attach_url(AttachRequest {
-                container_id: "c1".into(),
-                tty: false,
-                stdin: true,
-                stdout: true,
-                stderr: false,
-            })
+            .attach_url(
+                "pod1",
+                AttachRequest {
+                    container_id: "c1".into(),
+                    tty: false,
+                    stdin: true,
+                    stdout: true,
+                    stderr: false,
+                },
+            )
             .unwrap()
     };
     for t in TRANSPORTS {
         let cases = [
             (
                 server
-                    .exec_url(exec_req("echo started; exec sleep 1000", false, true))
+                    .exec_url(
+                        "pod1",
+                        exec_req("echo started; exec sleep 1000", false, true),
+                    )
                     .unwrap(),
                 "started",
             ),
             (
                 server
-                    .exec_url(exec_req("echo started; exec sleep 1000", true, true))
+                    .exec_url(
+                        "pod1",
+                        exec_req("echo started; exec sleep 1000", true, true),
+                    )
                     .unwrap(),
                 "started",
             ),
@@ -527,7 +544,7 @@ async fn idle_connections_are_closed() {
     let server = start(&host, 1, hako::streaming::TOKEN_TTL).await;
     for t in TRANSPORTS {
         let url = server
-            .exec_url(exec_req("exec sleep 1000", false, false))
+            .exec_url("pod1", exec_req("exec sleep 1000", false, false))
             .unwrap();
         // The client ends (it would wait for `sleep` otherwise): the server closed the idle
         // connection. client-go reports a closed connection without a status as success.
@@ -577,7 +594,9 @@ async fn tokens_are_single_use_and_expire() {
         ("Upgrade", "SPDY/3.1"),
         ("X-Stream-Protocol-Version", "v4.channel.k8s.io"),
     ];
-    let url = server.exec_url(exec_req("true", false, false)).unwrap();
+    let url = server
+        .exec_url("pod1", exec_req("true", false, false))
+        .unwrap();
     let (code, head) = raw(port, &path_of(&url), &spdy).await;
     assert_eq!(code, 101, "{head}");
     assert!(
@@ -587,7 +606,9 @@ async fn tokens_are_single_use_and_expire() {
     let (code, _) = raw(port, &path_of(&url), &spdy).await;
     assert_eq!(code, 404, "a token is good once");
     // A token for exec does not open a port-forward.
-    let url = server.exec_url(exec_req("true", false, false)).unwrap();
+    let url = server
+        .exec_url("pod1", exec_req("true", false, false))
+        .unwrap();
     let (code, _) = raw(
         port,
         &path_of(&url).replace("/exec/", "/portforward/"),
@@ -597,7 +618,9 @@ async fn tokens_are_single_use_and_expire() {
     assert_eq!(code, 404);
 
     let expiring = start(&host, 3600, Duration::ZERO).await;
-    let url = expiring.exec_url(exec_req("true", false, false)).unwrap();
+    let url = expiring
+        .exec_url("pod1", exec_req("true", false, false))
+        .unwrap();
     let (code, _) = raw(expiring.addr().port(), &path_of(&url), &spdy).await;
     assert_eq!(code, 404, "an expired token");
     nothing_left(&host, &server).await;
@@ -608,7 +631,11 @@ async fn protocol_versions_are_negotiated() {
     let host = Arc::new(Host::default());
     let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
     let port = server.addr().port();
-    let url = || server.exec_url(exec_req("true", false, false)).unwrap();
+    let url = || {
+        server
+            .exec_url("pod1", exec_req("true", false, false))
+            .unwrap()
+    };
     let (code, head) = raw(
         port,
         &path_of(&url()),
@@ -706,7 +733,7 @@ async fn tls_when_a_certificate_is_configured() {
     let server = Streaming::start(&config, host.clone()).await.unwrap();
     for t in TRANSPORTS {
         let url = server
-            .exec_url(exec_req("echo secret; exit 4", false, false))
+            .exec_url("pod1", exec_req("echo secret; exit 4", false, false))
             .unwrap();
         assert!(url.starts_with("https://127.0.0.1:"), "{url}");
         let out = run(&[&["exec", "-insecure"], t, &[&url]].concat(), b"").await;
@@ -1057,7 +1084,9 @@ async fn a_slow_reader_still_gets_the_exit_status() {
     };
 
     // SPDY, v4: streams error, stdout, stderr; one frame read per pause.
-    let url = server.exec_url(exec_req(&cmd, false, false)).unwrap();
+    let url = server
+        .exec_url("pod1", exec_req(&cmd, false, false))
+        .unwrap();
     let (mut rd, mut wr) = upgrade(
         &url,
         &[
@@ -1102,7 +1131,9 @@ async fn a_slow_reader_still_gets_the_exit_status() {
     drop((rd, wr));
 
     // WebSocket, v5: one message read per pause.
-    let url = server.exec_url(exec_req(&cmd, false, false)).unwrap();
+    let url = server
+        .exec_url("pod1", exec_req(&cmd, false, false))
+        .unwrap();
     let (mut rd, wr) = upgrade(
         &url,
         &[

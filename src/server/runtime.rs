@@ -81,7 +81,8 @@ where
 
 impl Runtime {
     /// Exec and Attach need the container running (kubelet's server checks the same).
-    async fn running(&self, rpc: &str, id: &str) -> Result<(), Status> {
+    /// The container's pod's id, once the container is known to run.
+    async fn running(&self, rpc: &str, id: &str) -> Result<String, Status> {
         let v = self
             .daemon
             .runtime
@@ -97,7 +98,7 @@ impl Runtime {
                 )),
             ));
         }
-        Ok(())
+        Ok(v.record.pod_id.clone())
     }
 }
 
@@ -655,19 +656,22 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::ExecResponse>, Status> {
         let req = req.into_inner();
         tracing::debug!(rpc = "Exec", container = %req.container_id, cmd = ?req.cmd, tty = req.tty);
-        self.running("Exec", &req.container_id).await?;
+        let pod = self.running("Exec", &req.container_id).await?;
         let url = self
             .daemon
             .streaming()
             .and_then(|s| {
-                s.exec_url(crate::streaming::ExecRequest {
-                    container_id: req.container_id,
-                    cmd: req.cmd,
-                    tty: req.tty,
-                    stdin: req.stdin,
-                    stdout: req.stdout,
-                    stderr: req.stderr,
-                })
+                s.exec_url(
+                    &pod,
+                    crate::streaming::ExecRequest {
+                        container_id: req.container_id,
+                        cmd: req.cmd,
+                        tty: req.tty,
+                        stdin: req.stdin,
+                        stdout: req.stdout,
+                        stderr: req.stderr,
+                    },
+                )
             })
             .map_err(|e| status("Exec", e))?;
         Ok(Response::new(cri::ExecResponse { url }))
@@ -679,18 +683,21 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::AttachResponse>, Status> {
         let req = req.into_inner();
         tracing::debug!(rpc = "Attach", container = %req.container_id, tty = req.tty);
-        self.running("Attach", &req.container_id).await?;
+        let pod = self.running("Attach", &req.container_id).await?;
         let url = self
             .daemon
             .streaming()
             .and_then(|s| {
-                s.attach_url(crate::streaming::AttachRequest {
-                    container_id: req.container_id,
-                    tty: req.tty,
-                    stdin: req.stdin,
-                    stdout: req.stdout,
-                    stderr: req.stderr,
-                })
+                s.attach_url(
+                    &pod,
+                    crate::streaming::AttachRequest {
+                        container_id: req.container_id,
+                        tty: req.tty,
+                        stdin: req.stdin,
+                        stdout: req.stdout,
+                        stderr: req.stderr,
+                    },
+                )
             })
             .map_err(|e| status("Attach", e))?;
         Ok(Response::new(cri::AttachResponse { url }))
@@ -720,7 +727,7 @@ impl RuntimeService for Runtime {
         let url = self
             .daemon
             .streaming()
-            .and_then(|s| s.port_forward_url(&req.pod_sandbox_id))
+            .and_then(|s| s.port_forward_url(&view.record.id))
             .map_err(|e| status("PortForward", e))?;
         Ok(Response::new(cri::PortForwardResponse { url }))
     }

@@ -31,6 +31,10 @@ pub const MAX_TOKENS: usize = 1000;
 /// port-forward, up to `MAX_FORWARDS` sockets, so without a bound a user allowed to stream to
 /// one pod could exhaust the daemon's descriptors for every pod.
 pub const MAX_SESSIONS: usize = 1024;
+/// Sessions one pod may hold, running or waiting for their client: a quarter of the node's, so
+/// one pod's users (or clients that never hang up) cannot take every other pod's. kubectl opens
+/// one session per exec, attach or port-forward command: this is many terminals' worth.
+pub const MAX_SESSIONS_PER_POD: usize = 256;
 /// A client has this long to send its request headers.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -39,19 +43,26 @@ const WS_PROTOCOL: &str = "sec-websocket-protocol";
 const PORT_FORWARD: &str = "portforward.k8s.io";
 const PORT_FORWARD_TUNNEL: &str = "SPDY/3.1+portforward.k8s.io";
 
+/// A session waiting for its client, and the pod it is counted to.
 #[derive(Debug, Clone)]
-enum Pending {
+struct Pending {
+    pod: String,
+    what: What,
+}
+
+#[derive(Debug, Clone)]
+enum What {
     Exec(ExecRequest),
     Attach(AttachRequest),
-    PortForward(String),
+    PortForward,
 }
 
 impl Pending {
     fn kind(&self) -> &'static str {
-        match self {
-            Pending::Exec(_) => "exec",
-            Pending::Attach(_) => "attach",
-            Pending::PortForward(_) => "portforward",
+        match self.what {
+            What::Exec(_) => "exec",
+            What::Attach(_) => "attach",
+            What::PortForward => "portforward",
         }
     }
 }
@@ -63,6 +74,8 @@ struct Inner {
     idle: Duration,
     ttl: Duration,
     sessions: AtomicUsize,
+    /// Running sessions per pod id, for `MAX_SESSIONS_PER_POD`.
+    per_pod: Mutex<HashMap<String, usize>>,
 }
 
 /// The running server; dropping it stops accepting (sessions in progress run to their end).
@@ -143,6 +156,7 @@ impl Streaming {
             idle: Duration::from_secs(config.idle_timeout_secs.max(1)),
             ttl,
             sessions: AtomicUsize::new(0),
+            per_pod: Mutex::new(HashMap::new()),
         });
         tracing::info!(url = %inner.base_url, "streaming server listening");
         let accept = tokio::spawn(accept_loop(listener, tls, inner.clone()));
@@ -162,8 +176,9 @@ impl Streaming {
         self.inner.sessions.load(Ordering::SeqCst)
     }
 
-    /// The URL for an exec; the request's streams are checked as kubelet checks them.
-    pub fn exec_url(&self, req: ExecRequest) -> Result<String> {
+    /// The URL for an exec in a container of pod `pod_id` (its full id: sessions are counted
+    /// per pod); the request's streams are checked as kubelet checks them.
+    pub fn exec_url(&self, pod_id: &str, req: ExecRequest) -> Result<String> {
         if req.cmd.is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "exec in container {}: no command given",
@@ -177,10 +192,14 @@ impl Streaming {
             req.stderr,
             req.tty,
         )?;
-        self.inner.issue(Pending::Exec(req))
+        self.inner.issue(Pending {
+            pod: pod_id.to_string(),
+            what: What::Exec(req),
+        })
     }
 
-    pub fn attach_url(&self, req: AttachRequest) -> Result<String> {
+    /// As `exec_url`, for an attach.
+    pub fn attach_url(&self, pod_id: &str, req: AttachRequest) -> Result<String> {
         check_streams(
             &req.container_id,
             req.stdin,
@@ -188,12 +207,18 @@ impl Streaming {
             req.stderr,
             req.tty,
         )?;
-        self.inner.issue(Pending::Attach(req))
+        self.inner.issue(Pending {
+            pod: pod_id.to_string(),
+            what: What::Attach(req),
+        })
     }
 
-    pub fn port_forward_url(&self, pod_sandbox_id: &str) -> Result<String> {
-        self.inner
-            .issue(Pending::PortForward(pod_sandbox_id.to_string()))
+    /// The URL for a port-forward to pod `pod_id` (its full id).
+    pub fn port_forward_url(&self, pod_id: &str) -> Result<String> {
+        self.inner.issue(Pending {
+            pod: pod_id.to_string(),
+            what: What::PortForward,
+        })
     }
 }
 
@@ -232,8 +257,43 @@ impl Inner {
                 "streaming server: {MAX_TOKENS} requests are waiting for their client already"
             )));
         }
+        let waiting = tokens
+            .values()
+            .filter(|(_, p)| p.pod == pending.pod)
+            .count();
+        let held = waiting + self.running_in(&pending.pod);
+        if held >= MAX_SESSIONS_PER_POD {
+            return Err(Error::Unavailable(format!(
+                "streaming server: pod {} holds {held} sessions (running or waiting for their client) already, the most one pod may hold",
+                pending.pod
+            )));
+        }
         tokens.insert(token.clone(), (now, pending));
         Ok(format!("{}/{kind}/{token}", self.base_url))
+    }
+
+    fn running_in(&self, pod: &str) -> usize {
+        let per_pod = self.per_pod.lock().unwrap_or_else(|e| e.into_inner());
+        per_pod.get(pod).copied().unwrap_or(0)
+    }
+
+    /// A place for a session of `pod`, node-wide and in its pod's share; none when either is
+    /// full.
+    fn place(self: &Arc<Self>, pod: &str) -> Option<Place> {
+        self.sessions
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < MAX_SESSIONS).then_some(n + 1)
+            })
+            .ok()?;
+        let mut per_pod = self.per_pod.lock().unwrap_or_else(|e| e.into_inner());
+        let n = per_pod.entry(pod.to_string()).or_insert(0);
+        if *n >= MAX_SESSIONS_PER_POD {
+            drop(per_pod);
+            self.sessions.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        *n += 1;
+        Some(Place(self.clone(), pod.to_string()))
     }
 
     /// The request behind a token, once: a second use or an expired token finds nothing.
@@ -363,26 +423,19 @@ fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>
     // The session's place, taken now: tokens issued before the sessions filled up, upgraded
     // at once, must not take them past the bound. Given back when the session (or a failed
     // upgrade) ends, or when this request goes no further.
-    if inner
-        .sessions
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-            (n < MAX_SESSIONS).then_some(n + 1)
-        })
-        .is_err()
-    {
+    let Some(place) = inner.place(&pending.pod) else {
         return plain(
             StatusCode::SERVICE_UNAVAILABLE,
-            "the streaming server runs as many sessions as it serves at once",
+            "the streaming server runs as many sessions as it serves at once, or as the pod may hold",
         );
-    }
-    let place = Place(inner.clone());
+    };
     let headers = req.headers();
     let upgrade = headers
         .get(UPGRADE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_ascii_lowercase();
-    let forward = matches!(pending, Pending::PortForward(_));
+    let forward = matches!(pending.what, What::PortForward);
     let mut resp = plain(StatusCode::SWITCHING_PROTOCOLS, "");
     let (chosen, proto) = if upgrade == "websocket" {
         let Some(key) = headers
@@ -486,11 +539,19 @@ fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>
     resp
 }
 
-/// A place among the `MAX_SESSIONS` sessions, given back when dropped.
-struct Place(Arc<Inner>);
+/// A place among the `MAX_SESSIONS` sessions and in its pod's share, given back when dropped.
+struct Place(Arc<Inner>, String);
 
 impl Drop for Place {
     fn drop(&mut self) {
+        let mut per_pod = self.0.per_pod.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = per_pod.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                per_pod.remove(&self.1);
+            }
+        }
+        drop(per_pod);
         self.0.sessions.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -503,17 +564,18 @@ async fn run_session(
 ) {
     let backend = inner.backend.clone();
     let idle = inner.idle;
-    match (pending, proto) {
-        (Pending::PortForward(pod), Proto::PortForwardSpdy) => {
+    let pod = pending.pod;
+    match (pending.what, proto) {
+        (What::PortForward, Proto::PortForwardSpdy) => {
             remote::port_forward(io, idle, backend, pod).await
         }
-        (Pending::PortForward(pod), Proto::PortForwardTunnel) => {
+        (What::PortForward, Proto::PortForwardTunnel) => {
             remote::ws_tunnel(io, idle, |pipe| {
                 remote::port_forward(pipe, idle, backend, pod)
             })
             .await
         }
-        (Pending::Exec(r), p) => {
+        (What::Exec(r), p) => {
             let want = Want {
                 stdin: r.stdin,
                 stdout: r.stdout,
@@ -522,7 +584,7 @@ async fn run_session(
             };
             session(io, idle, p, want, async move { backend.exec(r).await }).await
         }
-        (Pending::Attach(r), p) => {
+        (What::Attach(r), p) => {
             let want = Want {
                 stdin: r.stdin,
                 stdout: r.stdout,
@@ -531,7 +593,7 @@ async fn run_session(
             };
             session(io, idle, p, want, async move { backend.attach(r).await }).await
         }
-        (Pending::PortForward(_), _) => {}
+        (What::PortForward, _) => {}
     }
 }
 
@@ -561,54 +623,91 @@ mod tests {
             idle: Duration::from_secs(1),
             ttl,
             sessions: AtomicUsize::new(0),
+            per_pod: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn forward(pod: &str) -> Pending {
+        Pending {
+            pod: pod.into(),
+            what: What::PortForward,
         }
     }
 
     #[test]
     fn tokens_are_single_use_random_kind_bound_and_bounded() {
         let inner = server_inner(TOKEN_TTL);
-        let url = inner.issue(Pending::PortForward("p".into())).unwrap();
+        let url = inner.issue(forward("p")).unwrap();
         let token = url.rsplit('/').next().unwrap().to_string();
         // 24 random bytes, base64url: 192 bits.
         assert_eq!(token.len(), 32);
-        let other = inner.issue(Pending::PortForward("p".into())).unwrap();
+        let other = inner.issue(forward("p")).unwrap();
         assert_ne!(url, other);
         assert!(inner.take("exec", &token).is_none(), "kind must match");
-        let url = inner.issue(Pending::PortForward("p".into())).unwrap();
+        let url = inner.issue(forward("p")).unwrap();
         let token = url.rsplit('/').next().unwrap();
         assert!(inner.take("portforward", token).is_some());
         assert!(inner.take("portforward", token).is_none(), "second use");
         let waiting = inner.tokens.lock().unwrap().len();
-        for _ in waiting..MAX_TOKENS {
-            inner.issue(Pending::PortForward("p".into())).unwrap();
+        // Spread over pods, each within its share.
+        for i in waiting..MAX_TOKENS {
+            inner.issue(forward(&format!("p{i}"))).unwrap();
         }
-        assert!(matches!(
-            inner.issue(Pending::PortForward("p".into())),
-            Err(Error::Unavailable(_))
-        ));
+        match inner.issue(forward("q")) {
+            Err(Error::Unavailable(m)) => assert!(m.contains("requests are waiting"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
     fn no_more_sessions_are_issued_than_run_at_once() {
         let inner = server_inner(TOKEN_TTL);
         inner.sessions.store(MAX_SESSIONS - 1, Ordering::SeqCst);
-        inner.issue(Pending::PortForward("p".into())).unwrap();
+        inner.issue(forward("p")).unwrap();
         inner.sessions.store(MAX_SESSIONS, Ordering::SeqCst);
-        match inner.issue(Pending::PortForward("p".into())) {
+        match inner.issue(forward("p")) {
             Err(Error::Unavailable(m)) => assert!(m.contains("1024 sessions are running"), "{m}"),
             other => panic!("{other:?}"),
         }
     }
 
     #[test]
+    fn one_pod_holds_only_its_share_of_the_sessions() {
+        let inner = Arc::new(server_inner(TOKEN_TTL));
+        // Waiting tokens count: the pod's share fills with them, another pod's is untouched.
+        for _ in 0..MAX_SESSIONS_PER_POD {
+            inner.issue(forward("greedy")).unwrap();
+        }
+        match inner.issue(forward("greedy")) {
+            Err(Error::Unavailable(m)) => assert!(m.contains("pod greedy holds 256"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        inner.issue(forward("other")).unwrap();
+        // Running ones count too, and a refused place takes nothing node-wide.
+        inner.tokens.lock().unwrap().clear();
+        let places: Vec<Place> = (0..MAX_SESSIONS_PER_POD)
+            .map(|_| inner.place("greedy").expect("a place within the share"))
+            .collect();
+        assert!(inner.place("greedy").is_none());
+        assert!(inner.issue(forward("greedy")).is_err());
+        assert_eq!(inner.sessions.load(Ordering::SeqCst), MAX_SESSIONS_PER_POD);
+        let other = inner.place("other").expect("another pod's place");
+        drop(places);
+        drop(other);
+        assert_eq!(inner.sessions.load(Ordering::SeqCst), 0);
+        assert!(inner.per_pod.lock().unwrap().is_empty());
+        inner.issue(forward("greedy")).unwrap();
+    }
+
+    #[test]
     fn expired_tokens_are_refused_and_make_room() {
         let inner = server_inner(Duration::ZERO);
-        let url = inner.issue(Pending::PortForward("p".into())).unwrap();
+        let url = inner.issue(forward("p")).unwrap();
         assert!(inner
             .take("portforward", url.rsplit('/').next().unwrap())
             .is_none());
         for _ in 0..MAX_TOKENS + 5 {
-            inner.issue(Pending::PortForward("p".into())).unwrap();
+            inner.issue(forward("p")).unwrap();
         }
     }
 
