@@ -397,16 +397,40 @@ pub(super) fn in_helper(
 
 /// The last steps of a container's init or an exec'd process before `execvp`.
 ///
-/// SIGPIPE back at its default: Rust ignores it in the monitor, and an ignored signal stays
-/// ignored through libcontainer's forks and the exec, where runc's containers start with it at
-/// its default, as programs expect. Restored only here, at the end: libcontainer's own
-/// processes report failures over sockets whose reader may be gone, and must get EPIPE
-/// there, not die (a failed startContainer hook is known by its init's exit status 255).
+/// Every signal back at its default disposition: an ignored signal stays ignored through
+/// libcontainer's forks and the exec, and runc's containers start with none ignored, as
+/// programs expect. The monitor ignores SIGPIPE (Rust does), and 32 and 33, glibc's internal
+/// signals, which its posix_spawn (how the daemon starts monitors) leaves ignored in the child.
+/// Restored only here, at the end: libcontainer's own processes report failures over sockets
+/// whose reader may be gone, and must get EPIPE there, not die (a failed startContainer hook is
+/// known by its init's exit status 255).
 ///
 /// And an exec's seccomp filter: libcontainer builds an exec's spec without the container's
 /// `linux.seccomp`, so an exec would escape the filter its container runs under. It is
 /// installed last, when the process holds only the container's capabilities; without
 /// CAP_SYS_ADMIN the kernel accepts a filter only under no_new_privs, which is then set.
+/// Every catchable signal at SIG_DFL. The system call itself: glibc's `sigaction` refuses its
+/// internal signals. A zeroed kernel `sigaction` is SIG_DFL with no flags, mask or restorer,
+/// whatever the architecture's field order.
+fn default_signals() {
+    let dfl = [0u64; 4];
+    for sig in 1..=libc::SIGRTMAX() {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        // SAFETY: installs no handler; the kernel reads 8 bytes of mask (its sigset size).
+        unsafe {
+            libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                dfl.as_ptr(),
+                std::ptr::null_mut::<u64>(),
+                8usize,
+            )
+        };
+    }
+}
+
 #[derive(Clone)]
 pub(super) struct Workload {
     /// For an exec: its container's filter (a container's init gets its own from the spec).
@@ -418,8 +442,7 @@ impl libcontainer::workload::Executor for Workload {
         &self,
         spec: &oci_spec::runtime::Spec,
     ) -> Result<(), libcontainer::workload::ExecutorError> {
-        // SAFETY: no handler is installed, only the default disposition restored.
-        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        default_signals();
         if let Some(filter) = &self.seccomp {
             // CAP_SYS_ADMIN is bit 21 of the effective set.
             let has_sys_admin = std::fs::read_to_string("/proc/self/status")
