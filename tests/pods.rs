@@ -2370,3 +2370,100 @@ async fn container_processes_start_with_no_signal_ignored() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// A container log on a full filesystem: the monitor logs the first failed write and the first
+/// that succeeds again, not a line per failure (a full disk fails every write, and the
+/// monitor's own log is in memory, under the state dir), and the container runs on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_log_disk_is_logged_once_per_run_of_failures() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        logs.path(),
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=64k"),
+    )
+    .unwrap();
+    struct Unmount<'a>(&'a std::path::Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(self.0, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    let _unmount = Unmount(logs.path());
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("full-log-disk", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    // About 500 KiB of records into 64 KiB: many failed writes in a row; then, once told,
+    // one more line.
+    let script = "i=0; while [ $i -lt 10000 ]; do echo line-$i; i=$((i+1)); done; \
+                  touch /tmp/flooded; while [ ! -e /tmp/go ]; do sleep 0.1; done; echo after-the-flood; exec sleep 600";
+    let id = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("flood", &["sh", "-c", script]),
+    )
+    .await;
+    let monitor_log = h.state.join("pods").join(&pod).join("monitor.log");
+    let read = || std::fs::read_to_string(&monitor_log).unwrap_or_default();
+    let count = |text: &str, what: &str| text.lines().filter(|l| l.contains(what)).count();
+    const FAILED: &str = "write container log (further failures not logged";
+    const AGAIN: &str = "container log written again";
+    let log_file = logs.path().join("flood.log");
+    // The shell has written all 10 000 lines (the records that fit, and the failures).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let done = rt
+            .exec_sync(cri::ExecSyncRequest {
+                container_id: id.clone(),
+                cmd: vec!["test".into(), "-e".into(), "/tmp/flooded".into()],
+                timeout: 10,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .exit_code
+            == 0;
+        if done {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the flood never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Room again: the next write succeeds.
+    std::fs::File::options()
+        .write(true)
+        .open(&log_file)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    exec(&mut rt, &id, "touch /tmp/go").await;
+    support::wait_for("the log written again", Duration::from_secs(30), || {
+        count(&read(), AGAIN) == 1
+    })
+    .await;
+    let text = read();
+    assert_eq!(count(&text, FAILED), 1, "{text}");
+    assert_eq!(count(&text, AGAIN), 1, "{text}");
+    assert!(
+        std::fs::read_to_string(&log_file)
+            .unwrap()
+            .contains("stdout F after-the-flood"),
+        "{}",
+        std::fs::read_to_string(&log_file).unwrap()
+    );
+    assert_eq!(
+        status(&mut rt, &id).await.state,
+        cri::ContainerState::ContainerRunning as i32
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
