@@ -1226,23 +1226,25 @@ impl<'a> Unpacker<'a> {
         Ok(None)
     }
 
-    /// Waits, once, for the layers below to be in place, then opens them.
+    /// Waits for the layers below to be in place, then opens them, once. The gate goes only
+    /// when they are open: after a failed wait or open, the next entry that needs them asks
+    /// again, rather than finding no layers below and unpacking as if there were none.
     fn open_lowers(&mut self, entry: &str) -> Result<(), UnpackError> {
-        let Some(ready) = self.lowers_ready.take() else {
+        let Some(ready) = self.lowers_ready else {
             return Ok(());
         };
-        if self.lower_paths.is_empty() {
-            return Ok(());
+        if !self.lower_paths.is_empty() {
+            ready().map_err(|reason| UnpackError::Below {
+                entry: entry.into(),
+                reason,
+            })?;
+            self.lowers = self
+                .lower_paths
+                .iter()
+                .map(|l| Ok((open_layer_dir(l)?, l.as_path())))
+                .collect::<Result<_, UnpackError>>()?;
         }
-        ready().map_err(|reason| UnpackError::Below {
-            entry: entry.into(),
-            reason,
-        })?;
-        self.lowers = self
-            .lower_paths
-            .iter()
-            .map(|l| Ok((open_layer_dir(l)?, l.as_path())))
-            .collect::<Result<_, UnpackError>>()?;
+        self.lowers_ready = None;
         Ok(())
     }
 

@@ -314,6 +314,41 @@ fn lower_layer_symlinks_are_followed_inside_the_root() {
     );
 }
 
+/// A failed wait for the layers below is not forgotten: the next entry that needs them waits
+/// again and finds what they hold, instead of finding no layers below at all.
+#[test]
+fn a_failed_wait_for_the_layers_below_is_asked_again() {
+    let root = tempfile::tempdir().unwrap();
+    let l0 = layer_dir(&root, "l0");
+    unpack(
+        &tarball(&[E::Dir("etc/", 0o755), E::File("etc/passwd", b"root", 0o644)]),
+        &l0,
+        &[],
+    )
+    .unwrap();
+    let l1 = layer_dir(&root, "l1");
+    let calls = std::cell::Cell::new(0);
+    let gate = || {
+        calls.set(calls.get() + 1);
+        if calls.get() == 1 {
+            Err("not yet".to_string())
+        } else {
+            Ok(())
+        }
+    };
+    let mut u = Unpacker::new(&l1, std::slice::from_ref(&l0), &gate, Limits::UNLIMITED).unwrap();
+    let passwd = Path::new("etc/passwd");
+    assert!(matches!(
+        u.find_in_lowers(passwd, "etc/passwd"),
+        Err(UnpackError::Below { .. })
+    ));
+    assert!(u.find_in_lowers(passwd, "etc/passwd").unwrap().is_some());
+    assert_eq!(calls.get(), 2);
+    // Open now: not asked again.
+    assert!(u.find_in_lowers(Path::new("etc"), "etc").unwrap().is_some());
+    assert_eq!(calls.get(), 2);
+}
+
 /// Unpacks `tar` over `lowers` with a `lowers_ready` that counts its calls and answers
 /// `ready`.
 fn unpack_gated(
