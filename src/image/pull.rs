@@ -656,15 +656,30 @@ impl LayerJob {
                     Error::InvalidArgument(format!("unpack layer {digest}: {}", chain(&e)))
                 })
             };
+            let layer = self.digest.clone();
             std::thread::Builder::new()
                 .name("unpack".into())
                 .spawn(move || {
-                    let _ = tx.send(work());
+                    // A panic is answered as an error naming it, not only as a lost answer.
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
+                        .unwrap_or_else(|p| {
+                            let why = p
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| p.downcast_ref::<String>().cloned())
+                                .unwrap_or_default();
+                            Err(Error::Internal(format!(
+                                "unpack of layer {layer} panicked: {why}"
+                            )))
+                        });
+                    let _ = tx.send(r);
                 })
                 .map_err(|e| Error::Internal(format!("start the unpack thread: {e}")))?;
-            // The sender dropped without an answer: the thread panicked.
             let unpacked = rx.await.map_err(|_| {
-                Error::Internal(format!("unpack of layer {} panicked", self.digest))
+                Error::Internal(format!(
+                    "unpack of layer {} ended without an answer",
+                    self.digest
+                ))
             })?;
             // Put in place only on top of the layer below, even when nothing in this one
             // needed it; its failure explains this one's.

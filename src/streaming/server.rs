@@ -280,19 +280,18 @@ impl Inner {
     /// A place for a session of `pod`, node-wide and in its pod's share; none when either is
     /// full.
     fn place(self: &Arc<Self>, pod: &str) -> Option<Place> {
+        // The pod's share first, under its lock: a pod over its share takes no node-wide
+        // place, even for a moment, from another pod.
+        let mut per_pod = self.per_pod.lock().unwrap_or_else(|e| e.into_inner());
+        if per_pod.get(pod).copied().unwrap_or(0) >= MAX_SESSIONS_PER_POD {
+            return None;
+        }
         self.sessions
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
                 (n < MAX_SESSIONS).then_some(n + 1)
             })
             .ok()?;
-        let mut per_pod = self.per_pod.lock().unwrap_or_else(|e| e.into_inner());
-        let n = per_pod.entry(pod.to_string()).or_insert(0);
-        if *n >= MAX_SESSIONS_PER_POD {
-            drop(per_pod);
-            self.sessions.fetch_sub(1, Ordering::SeqCst);
-            return None;
-        }
-        *n += 1;
+        *per_pod.entry(pod.to_string()).or_insert(0) += 1;
         Some(Place(self.clone(), pod.to_string()))
     }
 

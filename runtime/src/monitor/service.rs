@@ -395,42 +395,48 @@ pub(super) fn in_helper(
     }
 }
 
-/// The last steps of a container's init or an exec'd process before `execvp`.
-///
-/// Every signal back at its default disposition: an ignored signal stays ignored through
-/// libcontainer's forks and the exec, and runc's containers start with none ignored, as
-/// programs expect. The monitor ignores SIGPIPE (Rust does), and 32 and 33, glibc's internal
-/// signals, which its posix_spawn (how the daemon starts monitors) leaves ignored in the child.
-/// Restored only here, at the end: libcontainer's own processes report failures over sockets
-/// whose reader may be gone, and must get EPIPE there, not die (a failed startContainer hook is
-/// known by its init's exit status 255).
-///
-/// And an exec's seccomp filter: libcontainer builds an exec's spec without the container's
-/// `linux.seccomp`, so an exec would escape the filter its container runs under. It is
-/// installed last, when the process holds only the container's capabilities; without
-/// CAP_SYS_ADMIN the kernel accepts a filter only under no_new_privs, which is then set.
-/// Every catchable signal at SIG_DFL. The system call itself: glibc's `sigaction` refuses its
-/// internal signals. A zeroed kernel `sigaction` is SIG_DFL with no flags, mask or restorer,
-/// whatever the architecture's field order.
+/// Every catchable signal at SIG_DFL, as a fresh process under runc starts: an ignored one
+/// survives libcontainer's forks and the exec. (None is blocked there; the e2e checks that
+/// too.) The system call itself: glibc's `sigaction` refuses its internal signals. A zeroed
+/// kernel `sigaction` is SIG_DFL with no flags, mask or restorer, whatever the architecture's
+/// field order. Failures are left alone: a seccomp profile may refuse the calls, and the
+/// process then starts as it would have.
 fn default_signals() {
-    let dfl = [0u64; 4];
+    let dfl = [0u64; 8];
+    // The kernel's sigset size: 8 bytes for 64 signals (16 where there are 128).
+    let sigset_size = (libc::SIGRTMAX() as usize).div_ceil(64) * 8;
     for sig in 1..=libc::SIGRTMAX() {
         if sig == libc::SIGKILL || sig == libc::SIGSTOP {
             continue;
         }
-        // SAFETY: installs no handler; the kernel reads 8 bytes of mask (its sigset size).
+        // SAFETY: installs no handler; the kernel reads at most `sigset_size` bytes of mask,
+        // within `dfl`.
         unsafe {
             libc::syscall(
                 libc::SYS_rt_sigaction,
                 sig,
                 dfl.as_ptr(),
                 std::ptr::null_mut::<u64>(),
-                8usize,
+                sigset_size,
             )
         };
     }
 }
 
+/// The last steps of a container's init or an exec'd process before `execvp`.
+///
+/// Every signal back at its default disposition (`default_signals`): an ignored signal stays
+/// ignored through libcontainer's forks and the exec, and runc's containers start with none
+/// ignored, as programs expect. The monitor ignores SIGPIPE (Rust does), and 32 and 33, glibc's
+/// internal signals, which its posix_spawn (how the daemon starts monitors) leaves ignored in
+/// the child. Restored only here, at the end: libcontainer's own processes report failures over
+/// sockets whose reader may be gone, and must get EPIPE there, not die (a failed
+/// startContainer hook is known by its init's exit status 255).
+///
+/// And an exec's seccomp filter: libcontainer builds an exec's spec without the container's
+/// `linux.seccomp`, so an exec would escape the filter its container runs under. It is
+/// installed last, when the process holds only the container's capabilities; without
+/// CAP_SYS_ADMIN the kernel accepts a filter only under no_new_privs, which is then set.
 #[derive(Clone)]
 pub(super) struct Workload {
     /// For an exec: its container's filter (a container's init gets its own from the spec).
