@@ -192,10 +192,7 @@ impl Streaming {
             req.stderr,
             req.tty,
         )?;
-        self.inner.issue(Pending {
-            pod: pod_id.to_string(),
-            what: What::Exec(req),
-        })
+        self.inner.issue(pod_id, What::Exec(req))
     }
 
     /// As `exec_url`, for an attach.
@@ -207,18 +204,12 @@ impl Streaming {
             req.stderr,
             req.tty,
         )?;
-        self.inner.issue(Pending {
-            pod: pod_id.to_string(),
-            what: What::Attach(req),
-        })
+        self.inner.issue(pod_id, What::Attach(req))
     }
 
     /// The URL for a port-forward to pod `pod_id` (its full id).
     pub fn port_forward_url(&self, pod_id: &str) -> Result<String> {
-        self.inner.issue(Pending {
-            pod: pod_id.to_string(),
-            what: What::PortForward,
-        })
+        self.inner.issue(pod_id, What::PortForward)
     }
 }
 
@@ -237,7 +228,12 @@ fn check_streams(id: &str, stdin: bool, stdout: bool, stderr: bool, tty: bool) -
 }
 
 impl Inner {
-    fn issue(&self, pending: Pending) -> Result<String> {
+    /// A URL for `what` in pod `pod`, its request kept under a fresh token.
+    fn issue(&self, pod: &str, what: What) -> Result<String> {
+        let pending = Pending {
+            pod: pod.to_string(),
+            what,
+        };
         let mut raw = [0u8; 24];
         ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut raw)
             .map_err(|_| Error::Internal("streaming token: the OS random source failed".into()))?;
@@ -626,33 +622,26 @@ mod tests {
         }
     }
 
-    fn forward(pod: &str) -> Pending {
-        Pending {
-            pod: pod.into(),
-            what: What::PortForward,
-        }
-    }
-
     #[test]
     fn tokens_are_single_use_random_kind_bound_and_bounded() {
         let inner = server_inner(TOKEN_TTL);
-        let url = inner.issue(forward("p")).unwrap();
+        let url = inner.issue("p", What::PortForward).unwrap();
         let token = url.rsplit('/').next().unwrap().to_string();
         // 24 random bytes, base64url: 192 bits.
         assert_eq!(token.len(), 32);
-        let other = inner.issue(forward("p")).unwrap();
+        let other = inner.issue("p", What::PortForward).unwrap();
         assert_ne!(url, other);
         assert!(inner.take("exec", &token).is_none(), "kind must match");
-        let url = inner.issue(forward("p")).unwrap();
+        let url = inner.issue("p", What::PortForward).unwrap();
         let token = url.rsplit('/').next().unwrap();
         assert!(inner.take("portforward", token).is_some());
         assert!(inner.take("portforward", token).is_none(), "second use");
         let waiting = inner.tokens.lock().unwrap().len();
         // Spread over pods, each within its share.
         for i in waiting..MAX_TOKENS {
-            inner.issue(forward(&format!("p{i}"))).unwrap();
+            inner.issue(&format!("p{i}"), What::PortForward).unwrap();
         }
-        match inner.issue(forward("q")) {
+        match inner.issue("q", What::PortForward) {
             Err(Error::Unavailable(m)) => assert!(m.contains("requests are waiting"), "{m}"),
             other => panic!("{other:?}"),
         }
@@ -662,9 +651,9 @@ mod tests {
     fn no_more_sessions_are_issued_than_run_at_once() {
         let inner = server_inner(TOKEN_TTL);
         inner.sessions.store(MAX_SESSIONS - 1, Ordering::SeqCst);
-        inner.issue(forward("p")).unwrap();
+        inner.issue("p", What::PortForward).unwrap();
         inner.sessions.store(MAX_SESSIONS, Ordering::SeqCst);
-        match inner.issue(forward("p")) {
+        match inner.issue("p", What::PortForward) {
             Err(Error::Unavailable(m)) => assert!(m.contains("1024 sessions are running"), "{m}"),
             other => panic!("{other:?}"),
         }
@@ -675,38 +664,38 @@ mod tests {
         let inner = Arc::new(server_inner(TOKEN_TTL));
         // Waiting tokens count: the pod's share fills with them, another pod's is untouched.
         for _ in 0..MAX_SESSIONS_PER_POD {
-            inner.issue(forward("greedy")).unwrap();
+            inner.issue("greedy", What::PortForward).unwrap();
         }
-        match inner.issue(forward("greedy")) {
+        match inner.issue("greedy", What::PortForward) {
             Err(Error::Unavailable(m)) => assert!(m.contains("pod greedy holds 256"), "{m}"),
             other => panic!("{other:?}"),
         }
-        inner.issue(forward("other")).unwrap();
+        inner.issue("other", What::PortForward).unwrap();
         // Running ones count too, and a refused place takes nothing node-wide.
         inner.tokens.lock().unwrap().clear();
         let places: Vec<Place> = (0..MAX_SESSIONS_PER_POD)
             .map(|_| inner.place("greedy").expect("a place within the share"))
             .collect();
         assert!(inner.place("greedy").is_none());
-        assert!(inner.issue(forward("greedy")).is_err());
+        assert!(inner.issue("greedy", What::PortForward).is_err());
         assert_eq!(inner.sessions.load(Ordering::SeqCst), MAX_SESSIONS_PER_POD);
         let other = inner.place("other").expect("another pod's place");
         drop(places);
         drop(other);
         assert_eq!(inner.sessions.load(Ordering::SeqCst), 0);
         assert!(inner.per_pod.lock().unwrap().is_empty());
-        inner.issue(forward("greedy")).unwrap();
+        inner.issue("greedy", What::PortForward).unwrap();
     }
 
     #[test]
     fn expired_tokens_are_refused_and_make_room() {
         let inner = server_inner(Duration::ZERO);
-        let url = inner.issue(forward("p")).unwrap();
+        let url = inner.issue("p", What::PortForward).unwrap();
         assert!(inner
             .take("portforward", url.rsplit('/').next().unwrap())
             .is_none());
         for _ in 0..MAX_TOKENS + 5 {
-            inner.issue(forward("p")).unwrap();
+            inner.issue("p", What::PortForward).unwrap();
         }
     }
 
