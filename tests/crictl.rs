@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use support::cni::TestNet;
@@ -11,7 +12,7 @@ use support::oci::{self, Compression, Image, ImageConf, Layer, Pusher};
 use support::registry::Registry;
 
 struct Crictl<'a> {
-    bin: std::path::PathBuf,
+    bin: PathBuf,
     hako: &'a Hako,
 }
 
@@ -40,6 +41,42 @@ impl Crictl<'_> {
         let (ok, out, err) = self.run(args);
         assert!(ok, "crictl {args:?} failed: {err}\n{out}");
         out
+    }
+
+    /// Writes the pod config `pod` to `dir/file` and runs `crictl runp` on it: the pod's id,
+    /// and the file (`create_start` takes it too).
+    fn runp(&self, dir: &Path, file: &str, pod: serde_json::Value) -> (String, PathBuf) {
+        let json = dir.join(file);
+        std::fs::write(&json, pod.to_string()).unwrap();
+        let id = self
+            .ok(&["runp", json.to_str().unwrap()])
+            .trim()
+            .to_string();
+        (id, json)
+    }
+
+    /// Writes the container config `ctr` to `dir/file`, then `crictl create` in `pod` (whose
+    /// config is `pod_json`) and `crictl start`: the container's id.
+    fn create_start(
+        &self,
+        dir: &Path,
+        file: &str,
+        (pod, pod_json): (&str, &Path),
+        ctr: serde_json::Value,
+    ) -> String {
+        let json = dir.join(file);
+        std::fs::write(&json, ctr.to_string()).unwrap();
+        let id = self
+            .ok(&[
+                "create",
+                pod,
+                json.to_str().unwrap(),
+                pod_json.to_str().unwrap(),
+            ])
+            .trim()
+            .to_string();
+        self.ok(&["start", &id]);
+        id
     }
 }
 
@@ -198,36 +235,17 @@ async fn crictl_pod_and_container_commands() {
     };
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
-    let pod_json = dir.path().join("pod.json");
-    std::fs::write(
-        &pod_json,
+    let (pod, pod_json) = c.runp(
+        dir.path(),
+        "pod.json",
         serde_json::json!({
             "metadata": {"name": "ops-pod", "namespace": "default", "uid": "ops-uid", "attempt": 0},
             "hostname": "ops-host",
             "log_directory": logs,
             "labels": {"team": "ops"},
             "linux": {}
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let ctr_json = dir.path().join("ctr.json");
-    std::fs::write(
-        &ctr_json,
-        serde_json::json!({
-            "metadata": {"name": "greeter"},
-            "image": {"image": image},
-            "command": ["sh", "-c", "echo hello from $(hostname); sleep 300"],
-            "log_path": "greeter.log",
-            "linux": {}
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let pod = c
-        .ok(&["runp", pod_json.to_str().unwrap()])
-        .trim()
-        .to_string();
+        }),
+    );
     assert_eq!(pod.len(), 64, "{pod}");
     let pods = c.ok(&["pods"]);
     assert!(
@@ -239,16 +257,18 @@ async fn crictl_pod_and_container_commands() {
     assert_eq!(inspectp["status"]["state"], "SANDBOX_READY");
     assert_eq!(inspectp["status"]["metadata"]["name"], "ops-pod");
 
-    let ctr = c
-        .ok(&[
-            "create",
-            &pod,
-            ctr_json.to_str().unwrap(),
-            pod_json.to_str().unwrap(),
-        ])
-        .trim()
-        .to_string();
-    c.ok(&["start", &ctr]);
+    let ctr = c.create_start(
+        dir.path(),
+        "ctr.json",
+        (&pod, &pod_json),
+        serde_json::json!({
+            "metadata": {"name": "greeter"},
+            "image": {"image": image},
+            "command": ["sh", "-c", "echo hello from $(hostname); sleep 300"],
+            "log_path": "greeter.log",
+            "linux": {}
+        }),
+    );
     let ps = c.ok(&["ps"]);
     assert!(
         ps.lines()
@@ -306,20 +326,19 @@ async fn crictl_create_with_cdi_devices_and_annotations() {
     };
     let dir = tempfile::tempdir().unwrap();
     let logs = dir.path().join("logs");
-    let pod_json = dir.path().join("pod.json");
-    std::fs::write(
-        &pod_json,
+    let (pod, pod_json) = c.runp(
+        dir.path(),
+        "pod.json",
         serde_json::json!({
             "metadata": {"name": "cdi-pod", "namespace": "default", "uid": "cdi-uid"},
             "log_directory": logs,
             "linux": {}
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let ctr_json = dir.path().join("ctr.json");
-    std::fs::write(
-        &ctr_json,
+        }),
+    );
+    let ctr = c.create_start(
+        dir.path(),
+        "ctr.json",
+        (&pod, &pod_json),
         serde_json::json!({
             "metadata": {"name": "devices"},
             "image": {"image": image},
@@ -328,24 +347,8 @@ async fn crictl_create_with_cdi_devices_and_annotations() {
             "CDI_devices": [{"name": "hako.test/crictl=null"}],
             "annotations": {"cdi.k8s.io/extra": "hako.test/crictl=zero"},
             "linux": {}
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let pod = c
-        .ok(&["runp", pod_json.to_str().unwrap()])
-        .trim()
-        .to_string();
-    let ctr = c
-        .ok(&[
-            "create",
-            &pod,
-            ctr_json.to_str().unwrap(),
-            pod_json.to_str().unwrap(),
-        ])
-        .trim()
-        .to_string();
-    c.ok(&["start", &ctr]);
+        }),
+    );
     support::wait_for(
         "two lines in crictl logs",
         std::time::Duration::from_secs(30),
@@ -612,21 +615,15 @@ impl<'a> StreamPod<'a> {
             hako: h,
         };
         let dir = tempfile::tempdir().unwrap();
-        let pod_json = dir.path().join("pod.json");
-        std::fs::write(
-            &pod_json,
+        let (pod, pod_json) = c.runp(
+            dir.path(),
+            "pod.json",
             serde_json::json!({
                 "metadata": {"name": "stream-pod", "namespace": "default", "uid": "stream-uid"},
                 "log_directory": dir.path().join("logs"),
                 "linux": {}
-            })
-            .to_string(),
-        )
-        .unwrap();
-        let pod = c
-            .ok(&["runp", pod_json.to_str().unwrap()])
-            .trim()
-            .to_string();
+            }),
+        );
         let mut ids = Vec::new();
         for (name, command, stdin) in [
             ("shell", "exec sleep 100000", false),
@@ -642,9 +639,10 @@ impl<'a> StreamPod<'a> {
                 false,
             ),
         ] {
-            let ctr_json = dir.path().join(format!("{name}.json"));
-            std::fs::write(
-                &ctr_json,
+            ids.push(c.create_start(
+                dir.path(),
+                &format!("{name}.json"),
+                (&pod, &pod_json),
                 serde_json::json!({
                     "metadata": {"name": name},
                     "image": {"image": image},
@@ -652,21 +650,8 @@ impl<'a> StreamPod<'a> {
                     "stdin": stdin,
                     "log_path": format!("{name}.log"),
                     "linux": {}
-                })
-                .to_string(),
-            )
-            .unwrap();
-            let id = c
-                .ok(&[
-                    "create",
-                    &pod,
-                    ctr_json.to_str().unwrap(),
-                    pod_json.to_str().unwrap(),
-                ])
-                .trim()
-                .to_string();
-            c.ok(&["start", &id]);
-            ids.push(id);
+                }),
+            ));
         }
         // httpd listens once a request through an exec answers.
         support::wait_for(
@@ -886,45 +871,28 @@ async fn crictl_exec_attach_port_forward() {
 }
 
 /// A pod with one `sleep` container, made through crictl: the pod's and the container's ids.
-fn sleeping_pod(c: &Crictl, dir: &std::path::Path, name: &str, image: &str) -> (String, String) {
-    let pod_json = dir.join(format!("{name}-pod.json"));
-    std::fs::write(
-        &pod_json,
+fn sleeping_pod(c: &Crictl, dir: &Path, name: &str, image: &str) -> (String, String) {
+    let (pod, pod_json) = c.runp(
+        dir,
+        &format!("{name}-pod.json"),
         serde_json::json!({
             "metadata": {"name": name, "namespace": "default", "uid": format!("{name}-uid")},
             "log_directory": dir.join(name),
             "linux": {}
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let ctr_json = dir.join(format!("{name}-ctr.json"));
-    std::fs::write(
-        &ctr_json,
+        }),
+    );
+    let ctr = c.create_start(
+        dir,
+        &format!("{name}-ctr.json"),
+        (&pod, &pod_json),
         serde_json::json!({
             "metadata": {"name": "sleeper"},
             "image": {"image": image},
             "command": ["sleep", "100000"],
             "log_path": "sleeper.log",
             "linux": {}
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let pod = c
-        .ok(&["runp", pod_json.to_str().unwrap()])
-        .trim()
-        .to_string();
-    let ctr = c
-        .ok(&[
-            "create",
-            &pod,
-            ctr_json.to_str().unwrap(),
-            pod_json.to_str().unwrap(),
-        ])
-        .trim()
-        .to_string();
-    c.ok(&["start", &ctr]);
+        }),
+    );
     (pod, ctr)
 }
 
@@ -992,7 +960,7 @@ async fn one_pod_cannot_take_every_streaming_session() {
 /// A tmux server on its own socket, without a status line (so a pane is the window's size);
 /// killed with everything in it when dropped.
 struct Tmux {
-    sock: std::path::PathBuf,
+    sock: PathBuf,
     _dir: tempfile::TempDir,
 }
 
