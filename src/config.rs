@@ -39,10 +39,12 @@ pub struct RegistryConfig {
 pub struct ImageConfig {
     /// A pull that transfers no byte for this many seconds fails with DEADLINE_EXCEEDED.
     pub pull_progress_timeout_secs: u64,
-    /// Layers of one image downloaded at the same time.
+    /// Layers downloaded at the same time, across all pulls on the node.
     pub max_concurrent_downloads: usize,
     /// Layers of one image unpacked at the same time (each still placed after the one below).
     pub max_concurrent_unpacks: usize,
+    /// Layers unpacked at the same time across all pulls on the node.
+    pub max_node_unpacks: usize,
     /// Bound on one layer's uncompressed size and on the bytes its unpack writes; 0 = none.
     pub max_layer_unpacked_bytes: u64,
     /// Bound on the files, directories and links one layer's unpack creates; 0 = none.
@@ -144,6 +146,10 @@ impl Default for ImageConfig {
             // Two: most of a layer unpacks without the one below (docs/BENCHMARKS.md); each
             // more holds a decompressor window and three threads.
             max_concurrent_unpacks: 2,
+            // Each unpack holds three threads and a decompressor window (up to 128 MiB for
+            // zstd): a thousand pulls at once must not mean six thousand threads. Eight keeps
+            // four images unpacking two layers each, more than two cores can decompress.
+            max_node_unpacks: 8,
             // Out of the way of very large real layers (ML and CUDA images), and a bound on
             // what a decompression bomb can write before it fails.
             max_layer_unpacked_bytes: 64 << 30,
@@ -249,6 +255,9 @@ impl Config {
         if self.image.max_concurrent_unpacks == 0 {
             return Err("image.max_concurrent_unpacks must be at least 1".into());
         }
+        if self.image.max_node_unpacks == 0 {
+            return Err("image.max_node_unpacks must be at least 1".into());
+        }
         if self.image.pull_progress_timeout_secs == 0 {
             return Err("image.pull_progress_timeout_secs must be at least 1".into());
         }
@@ -324,5 +333,17 @@ mod tests {
         std::fs::write(&p, "root = \"var/lib\"\n").unwrap();
         let err = Config::load(&p, true).unwrap_err().to_string();
         assert!(err.contains("root must be an absolute path"), "{err}");
+    }
+
+    #[test]
+    fn no_unpack_slot_on_the_node_is_rejected() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, "[image]\nmax_node_unpacks = 0\n").unwrap();
+        let err = Config::load(&p, true).unwrap_err().to_string();
+        assert!(
+            err.contains("image.max_node_unpacks must be at least 1"),
+            "{err}"
+        );
     }
 }

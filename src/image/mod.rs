@@ -240,6 +240,8 @@ struct Inner {
     leases: Mutex<HashMap<u64, Vec<String>>>,
     next_lease: AtomicU64,
     downloads: tokio::sync::Semaphore,
+    /// Layer unpacks running on the node (`image.max_node_unpacks`).
+    unpacks: Arc<tokio::sync::Semaphore>,
     /// One collection at a time.
     gc_lock: tokio::sync::Mutex<()>,
 }
@@ -338,6 +340,7 @@ impl Images {
                 ingest_dir,
                 hosts_dir,
                 downloads: tokio::sync::Semaphore::new(config.max_concurrent_downloads),
+                unpacks: Arc::new(tokio::sync::Semaphore::new(config.max_node_unpacks)),
                 config,
                 clients: registry::Clients::default(),
                 inflight: Mutex::new(HashMap::new()),

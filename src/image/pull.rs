@@ -34,11 +34,13 @@ use crate::store::{ImageRecord, SnapshotRecord, RECORD_VERSION};
 
 pub(super) type LayerFuture = Shared<BoxFuture<'static, Result<(), Arc<Error>>>>;
 
-/// A layer task's two milestones: `placed` when its snapshot directory is complete and in its
-/// final place (the layers above may unpack over it), `done` when it is also synced (with
-/// `image.sync_layers`) and recorded.
+/// A layer task's three milestones: `started` when its unpack holds one of the node's unpack
+/// slots (`image.max_node_unpacks`), `placed` when its snapshot directory is complete and in
+/// its final place (the layers above may unpack over it), `done` when it is also synced (with
+/// `image.sync_layers`) and recorded. Each resolves with the task's error if it fails first.
 #[derive(Clone)]
 pub(super) struct LayerTask {
+    pub(super) started: LayerFuture,
     pub(super) placed: LayerFuture,
     pub(super) done: LayerFuture,
 }
@@ -295,6 +297,7 @@ impl Images {
         lease.add(chains.iter().cloned());
 
         let mut placed: Vec<LayerFuture> = Vec::with_capacity(layers.len());
+        let mut started: Option<LayerFuture> = None;
         let mut futs = Vec::with_capacity(layers.len());
         for (i, l) in layers.iter().enumerate() {
             let job = LayerJob {
@@ -306,12 +309,14 @@ impl Images {
                 diff_id: diff_ids[i].clone(),
                 lowers: chains[..i].iter().rev().cloned().collect(),
                 parent: placed.last().cloned(),
+                parent_started: started.take(),
                 ahead: i
                     .checked_sub(self.inner.config.max_concurrent_unpacks)
                     .map(|below| placed[below].clone()),
             };
             let task = self.layer(job);
             placed.push(task.placed);
+            started = Some(task.started);
             futs.push(task.done);
         }
         for r in futures::future::join_all(futs).await {
@@ -453,6 +458,7 @@ impl Images {
         {
             let ready = futures::future::ready(Ok(())).boxed().shared();
             return LayerTask {
+                started: ready.clone(),
                 placed: ready.clone(),
                 done: ready,
             };
@@ -460,12 +466,20 @@ impl Images {
         let chain_id = job.chain_id.clone();
         let images = self.clone();
         let (placed_tx, placed_rx) = tokio::sync::oneshot::channel();
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
         let handle = tokio::spawn(async move {
             let chain_id = job.chain_id.clone();
-            let mut placed = Some(placed_tx);
-            let r = job.run(&mut placed).await.map_err(Arc::new);
-            // Failed before its snapshot was in place: the layers above learn why.
-            if let Some(tx) = placed.take() {
+            let mut milestones = Milestones {
+                started: Some(started_tx),
+                placed: Some(placed_tx),
+            };
+            let r = job.run(&mut milestones).await.map_err(Arc::new);
+            // Failed before its unpack started or its snapshot was in place: the layers above
+            // learn why.
+            for tx in [milestones.started.take(), milestones.placed.take()]
+                .into_iter()
+                .flatten()
+            {
                 let _ = tx.send(r.clone());
             }
             images
@@ -484,17 +498,23 @@ impl Images {
         }
         .boxed()
         .shared();
-        let placed = async move {
-            match placed_rx.await {
-                Ok(r) => r,
-                Err(_) => Err(Arc::new(Error::Internal(
-                    "layer task ended without a result".into(),
-                ))),
+        let milestone = |rx: tokio::sync::oneshot::Receiver<Result<(), Arc<Error>>>| {
+            async move {
+                match rx.await {
+                    Ok(r) => r,
+                    Err(_) => Err(Arc::new(Error::Internal(
+                        "layer task ended without a result".into(),
+                    ))),
+                }
             }
-        }
-        .boxed()
-        .shared();
-        let task = LayerTask { placed, done };
+            .boxed()
+            .shared()
+        };
+        let task = LayerTask {
+            started: milestone(started_rx),
+            placed: milestone(placed_rx),
+            done,
+        };
         inflight.insert(chain_id, task.clone());
         task
     }
@@ -516,6 +536,12 @@ struct LayerJob {
     lowers: Vec<String>,
     /// The layer below being in place (`LayerTask::placed`).
     parent: Option<LayerFuture>,
+    /// The layer below holding its unpack slot (`LayerTask::started`). A layer asks for a slot
+    /// only after the one below has one, so the lowest holder in any stack of layers never
+    /// waits on a layer without a slot, and the node-wide bound cannot deadlock: were every
+    /// slot held by layers waiting (`lowers_ready`) on layers still queued for one, no pull
+    /// would ever finish.
+    parent_started: Option<LayerFuture>,
     /// The layer `image.max_concurrent_unpacks` below this one being in place: this one's
     /// unpack starts then. A layer's unpack needs the layers below only for some entries
     /// (`unpack::unpack_layer_over`), but each one holds a decompressor's window (up to 128
@@ -550,9 +576,9 @@ impl Drop for Cleanup {
 }
 
 impl LayerJob {
-    /// Fetches, unpacks, syncs and records the layer; says so on `placed` (taking it) once the
-    /// snapshot is complete and in place.
-    async fn run(self, placed: &mut Option<PlacedTx>) -> Result<()> {
+    /// Fetches, unpacks, syncs and records the layer; says so on `started` (taking it) once its
+    /// unpack holds a slot, and on `placed` once the snapshot is complete and in place.
+    async fn run(self, milestones: &mut Milestones) -> Result<()> {
         let inner = &self.images.inner;
         let queued = Instant::now();
         let limit = Duration::from_secs(inner.config.pull_progress_timeout_secs);
@@ -613,6 +639,21 @@ impl LayerJob {
             if let Some(ahead) = self.ahead.clone() {
                 ahead.await.map_err(below_failed)?;
             }
+            if let Some(below) = self.parent_started.clone() {
+                below.await.map_err(below_failed)?;
+            }
+            // Held by the unpack thread until it ends: each unpack holds three threads and a
+            // decompressor window (up to 128 MiB for zstd), so the number at once is bounded
+            // on the node, not only per image.
+            let slot = inner
+                .unpacks
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| Error::Internal("unpack semaphore closed".into()))?;
+            if let Some(tx) = milestones.started.take() {
+                let _ = tx.send(Ok(()));
+            }
             let lowers: Vec<PathBuf> = self
                 .lowers
                 .iter()
@@ -660,6 +701,7 @@ impl LayerJob {
             std::thread::Builder::new()
                 .name("unpack".into())
                 .spawn(move || {
+                    let _slot = slot;
                     // A panic is answered as an error naming it, not only as a lost answer.
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
                         .unwrap_or_else(|p| {
@@ -713,7 +755,7 @@ impl LayerJob {
         // A failure below removes what this pull put in place, never a snapshot in use.
         let mut final_cleanup = Cleanup((!in_use).then(|| final_dir.clone()));
         let unpacked_at = Instant::now();
-        if let Some(tx) = placed.take() {
+        if let Some(tx) = milestones.placed.take() {
             let _ = tx.send(Ok(()));
         }
         if inner.config.sync_layers {
@@ -750,7 +792,13 @@ impl LayerJob {
     }
 }
 
-type PlacedTx = tokio::sync::oneshot::Sender<Result<(), Arc<Error>>>;
+type MilestoneTx = tokio::sync::oneshot::Sender<Result<(), Arc<Error>>>;
+
+/// What a running layer task still has to say to the layers above (`LayerTask`).
+struct Milestones {
+    started: Option<MilestoneTx>,
+    placed: Option<MilestoneTx>,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum GrowthState {

@@ -525,3 +525,18 @@ pub fn marker_tar(path: &str, content: &[u8]) -> Vec<u8> {
     t.file(path, content, 0o644);
     t.finish()
 }
+
+/// `len` bytes no compressor can shrink (xorshift64 from `seed`), to make a layer's download
+/// and unpack take as long as its size says.
+pub fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 8);
+    let mut x = seed | 1;
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
