@@ -858,12 +858,9 @@ async fn pulls_complete_with_the_blocking_pool_full() {
 }
 
 /// One unpack slot on the node serves eight pulls at once to the end: each unpack gives its
-/// slot back (seen failing with the slot never returned), and an upper layer, whose unpack
-/// here waits for the layer below (it adds a file to a directory of that layer), never holds
-/// the slot that layer is waiting for. That last order comes from a layer asking for its slot
-/// only once the one below has one; without it, this run still passed three times out of
-/// three (the layers of a pull queue in the order they are spawned unless a scheduling race
-/// reorders them), so the order itself is argued in `LayerJob::parent_started`, not shown here.
+/// slot back, and an upper layer, whose unpack waits for the layer below (its file's
+/// directory has no entry in it, so the path resolves through the layer below), never holds
+/// the slot that layer is waiting for.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_unpack_slot_serves_many_pulls_to_the_end() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
@@ -874,12 +871,22 @@ async fn one_unpack_slot_serves_many_pulls_to_the_end() {
     for i in 0..8 {
         let mut below = oci::Tar::default();
         below.file(&format!("d/below{i}"), b"below", 0o644);
-        let mut above = oci::Tar::default();
-        above.file(&format!("d/above{i}"), b"above", 0o644);
+        // No `d/` entry of its own: the unpack must look `d` up in the layer below.
+        let mut above = tar::Builder::new(Vec::new());
+        let mut hdr = tar::Header::new_gnu();
+        hdr.set_size(5);
+        hdr.set_mode(0o644);
+        hdr.set_uid(0);
+        hdr.set_gid(0);
+        hdr.set_mtime(0);
+        above
+            .append_data(&mut hdr, format!("d/above{i}"), &b"above"[..])
+            .unwrap();
+        let above = above.into_inner().unwrap();
         let img = Image::new(
             vec![
                 Layer::new(&below.finish(), Compression::Gzip, false),
-                Layer::new(&above.finish(), Compression::Gzip, false),
+                Layer::new(&above, Compression::Gzip, false),
             ],
             &ImageConf::default(),
             false,

@@ -5,7 +5,8 @@
 //! same image (or of another image sharing a layer) awaits the same task instead of downloading
 //! again. Downloads of one image run in parallel (bounded by `max_concurrent_downloads`), and
 //! so do the unpacks of up to `max_concurrent_unpacks` layers, each reading its download as it
-//! arrives. An unpack waits for the layers below only when an entry's path must resolve
+//! arrives. Across all pulls, downloads wait for one of `max_concurrent_downloads` slots and
+//! unpacks for one of `max_node_unpacks`. An unpack waits for the layers below only when an entry's path must resolve
 //! through them (`unpack::unpack_layer_over`), and a layer is put in place only once the one
 //! below is. The layer below need not be synced and recorded yet: its `syncfs` overlaps this
 //! unpack, and each layer is still recorded only after a sync that covers its files. A task
@@ -536,8 +537,8 @@ struct LayerJob {
     lowers: Vec<String>,
     /// The layer below being in place (`LayerTask::placed`).
     parent: Option<LayerFuture>,
-    /// The layer below holding its unpack slot (`LayerTask::started`). A layer asks for a slot
-    /// only after the one below has one, so the lowest holder in any stack of layers never
+    /// The layer below holding, or having held, its unpack slot (`LayerTask::started`). A
+    /// layer asks for a slot only after the one below has had one, so the lowest holder in any stack of layers never
     /// waits on a layer without a slot, and the node-wide bound cannot deadlock: were every
     /// slot held by layers waiting (`lowers_ready`) on layers still queued for one, no pull
     /// would ever finish.
@@ -642,6 +643,7 @@ impl LayerJob {
             if let Some(below) = self.parent_started.clone() {
                 below.await.map_err(below_failed)?;
             }
+            let asked = Instant::now();
             // Held by the unpack thread until it ends: each unpack holds three threads and a
             // decompressor window (up to 128 MiB for zstd), so the number at once is bounded
             // on the node, not only per image.
@@ -728,14 +730,14 @@ impl LayerJob {
             if let Some(parent) = self.parent.clone() {
                 parent.await.map_err(below_failed)?;
             }
-            Ok::<_, Error>((started, unpacked?))
+            Ok::<_, Error>((asked, started, unpacked?))
         };
         // The unpack reads the download as it arrives; the layer's content is trusted only
         // once both finished: the download's digest check, then the unpack's diff-id check.
         // A failed download explains a failed unpack (it read a cut or foreign stream).
         let (downloaded, unpacked) = tokio::join!(download, unpack);
         let downloaded = downloaded?;
-        let (started, unpacked) = unpacked?;
+        let (asked, started, unpacked) = unpacked?;
         let in_use = final_dir.exists() && inner.store.pinned()?.contains(&self.chain_id);
         if in_use {
             // A record-less snapshot a container still runs on (its record was adopted after
@@ -783,7 +785,8 @@ impl LayerJob {
             layer = %self.digest,
             chain_id = %self.chain_id,
             download_ms = ms(queued, downloaded),
-            wait_below_ms = ms(queued, started),
+            wait_below_ms = ms(queued, asked),
+            wait_slot_ms = ms(asked, started),
             unpack_ms = ms(started, unpacked_at),
             sync_and_record_ms = unpacked_at.elapsed().as_millis() as u64,
             "layer ready"
