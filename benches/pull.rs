@@ -223,16 +223,7 @@ fn incompressible_image() -> Image {
 }
 
 fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len + 8);
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
+    oci::noise(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15), len)
 }
 
 /// This machine's regular files under each root, in path order, until its budget of bytes: a

@@ -6,11 +6,11 @@
 //! again. Downloads of one image run in parallel (bounded by `max_concurrent_downloads`), and
 //! so do the unpacks of up to `max_concurrent_unpacks` layers, each reading its download as it
 //! arrives. Across all pulls, downloads wait for one of `max_concurrent_downloads` slots and
-//! unpacks for one of `max_node_unpacks`. An unpack waits for the layers below only when an entry's path must resolve
-//! through them (`unpack::unpack_layer_over`), and a layer is put in place only once the one
-//! below is. The layer below need not be synced and recorded yet: its `syncfs` overlaps this
-//! unpack, and each layer is still recorded only after a sync that covers its files. A task
-//! runs to completion even if every pull that asked for it is cancelled, so a half-written
+//! unpacks for one of `max_node_unpacks`. An unpack waits for the layers below only when an entry's
+//! path must resolve through them (`unpack::unpack_layer_over`), and a layer is put in place only
+//! once the one below is. The layer below need not be synced and recorded yet: its `syncfs`
+//! overlaps this unpack, and each layer is still recorded only after a sync that covers its files.
+//! A task runs to completion even if every pull that asked for it is cancelled, so a half-written
 //! directory is never left to a dropped future.
 
 use std::future::Future;
@@ -537,10 +537,10 @@ struct LayerJob {
     lowers: Vec<String>,
     /// The layer below being in place (`LayerTask::placed`).
     parent: Option<LayerFuture>,
-    /// The layer below holding, or having held, its unpack slot (`LayerTask::started`). A
-    /// layer asks for a slot only after the one below has had one, so the lowest holder in any stack of layers never
-    /// waits on a layer without a slot, and the node-wide bound cannot deadlock: were every
-    /// slot held by layers waiting (`lowers_ready`) on layers still queued for one, no pull
+    /// The layer below holding, or having held, its unpack slot (`LayerTask::started`). A layer
+    /// asks for a slot only after the one below has had one, so the lowest holder in any stack of
+    /// layers never waits on a layer without a slot, and the node-wide bound cannot deadlock: were
+    /// every slot held by layers waiting (`lowers_ready`) on layers still queued for one, no pull
     /// would ever finish.
     parent_started: Option<LayerFuture>,
     /// The layer `image.max_concurrent_unpacks` below this one being in place: this one's
