@@ -204,6 +204,9 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
+/// The most downloads or unpacks a config may allow at once. Each unpack holds three threads.
+const MAX_SLOTS: usize = 1024;
+
 impl Config {
     /// Loads the config. `explicit` is true when the operator named the file: then a missing file
     /// is an error; the default file may be absent.
@@ -249,14 +252,24 @@ impl Config {
                 ));
             }
         }
-        if self.image.max_concurrent_downloads == 0 {
-            return Err("image.max_concurrent_downloads must be at least 1".into());
-        }
-        if self.image.max_concurrent_unpacks == 0 {
-            return Err("image.max_concurrent_unpacks must be at least 1".into());
-        }
-        if self.image.max_node_unpacks == 0 {
-            return Err("image.max_node_unpacks must be at least 1".into());
+        // The counts size semaphores and thread pools: a value past MAX_SLOTS is a typo, and
+        // one past tokio's permit limit would panic at start instead of failing here.
+        for (key, value) in [
+            (
+                "image.max_concurrent_downloads",
+                self.image.max_concurrent_downloads,
+            ),
+            (
+                "image.max_concurrent_unpacks",
+                self.image.max_concurrent_unpacks,
+            ),
+            ("image.max_node_unpacks", self.image.max_node_unpacks),
+        ] {
+            if !(1..=MAX_SLOTS).contains(&value) {
+                return Err(format!(
+                    "{key} must be between 1 and {MAX_SLOTS}, got {value}"
+                ));
+            }
         }
         if self.image.pull_progress_timeout_secs == 0 {
             return Err("image.pull_progress_timeout_secs must be at least 1".into());
@@ -336,14 +349,29 @@ mod tests {
     }
 
     #[test]
-    fn no_unpack_slot_on_the_node_is_rejected() {
+    fn slot_counts_out_of_range_are_rejected() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.toml");
-        std::fs::write(&p, "[image]\nmax_node_unpacks = 0\n").unwrap();
-        let err = Config::load(&p, true).unwrap_err().to_string();
-        assert!(
-            err.contains("image.max_node_unpacks must be at least 1"),
-            "{err}"
-        );
+        for (line, want) in [
+            (
+                "max_node_unpacks = 0",
+                "image.max_node_unpacks must be between 1 and 1024, got 0",
+            ),
+            // Past tokio's permit limit: a panic at start before this was checked.
+            (
+                "max_concurrent_downloads = 2305843009213693952",
+                "image.max_concurrent_downloads must be between 1 and 1024, got 2305843009213693952",
+            ),
+            (
+                "max_concurrent_unpacks = 1025",
+                "image.max_concurrent_unpacks must be between 1 and 1024, got 1025",
+            ),
+        ] {
+            std::fs::write(&p, format!("[image]\n{line}\n")).unwrap();
+            let err = Config::load(&p, true).unwrap_err().to_string();
+            assert!(err.contains(want), "{line}: {err}");
+        }
+        std::fs::write(&p, "[image]\nmax_node_unpacks = 1024\n").unwrap();
+        assert_eq!(Config::load(&p, true).unwrap().image.max_node_unpacks, 1024);
     }
 }
