@@ -940,16 +940,7 @@ async fn unpacks_are_bounded_across_pulls() {
         return;
     }
     let reg = Registry::start();
-    let mut imgs = Vec::new();
-    for (i, seed) in [0x51u64, 0x7777].into_iter().enumerate() {
-        let noise = oci::noise(seed, 2 << 20);
-        let layer = Layer::new(&oci::marker_tar("noise", &noise), Compression::Gzip, false);
-        let img = Image::new(vec![layer.clone()], &ImageConf::default(), false);
-        Pusher::new(&reg.addr)
-            .push(&format!("bound/img{i}"), "1", &img)
-            .await;
-        imgs.push((img, layer, noise));
-    }
+    let imgs = push_noise_images(&reg, "bound", &[0x51, 0x7777]).await;
     // Each download sends 512 KiB, then waits for the test.
     let proxy = Proxy::start(
         &reg.addr,
@@ -992,6 +983,148 @@ async fn unpacks_are_bounded_across_pulls() {
         let fs = info["snapshots"][0].as_str().unwrap();
         assert_eq!(&std::fs::read(format!("{fs}/noise")).unwrap(), noise);
     }
+}
+
+/// Pushes one single-layer image of 2 MiB of noise per seed, as `<repo>/img<i>:1`.
+async fn push_noise_images(
+    reg: &Registry,
+    repo: &str,
+    seeds: &[u64],
+) -> Vec<(Image, Layer, Vec<u8>)> {
+    let mut imgs = Vec::new();
+    for (i, seed) in seeds.iter().enumerate() {
+        let noise = oci::noise(*seed, 2 << 20);
+        let layer = Layer::new(&oci::marker_tar("noise", &noise), Compression::Gzip, false);
+        let img = Image::new(vec![layer.clone()], &ImageConf::default(), false);
+        Pusher::new(&reg.addr)
+            .push(&format!("{repo}/img{i}"), "1", &img)
+            .await;
+        imgs.push((img, layer, noise));
+    }
+    imgs
+}
+
+/// A layer asks for an unpack slot only once its download holds a download place: with one
+/// place and two slots, a second pull whose download is queued starts no unpack thread, so
+/// the slot stays free for a layer that has bytes to unpack.
+#[tokio::test(flavor = "multi_thread")]
+async fn unpack_slots_wait_for_a_download_under_way() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let imgs = push_noise_images(&reg, "queued", &[0x3131, 0x4242]).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            split_blobs: imgs
+                .iter()
+                .map(|(_, l, _)| (l.digest.clone(), 512 << 10))
+                .collect(),
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = Hako::start("[image]\nmax_concurrent_downloads = 1\nmax_node_unpacks = 2\n");
+    let first = spawn_pull(&h, format!("{}/queued/img0:1", proxy.addr)).await;
+    wait_until(
+        "the first download held mid-way, its unpack running",
+        || proxy.held() == 1 && unpack_threads(&h) == 1,
+    )
+    .await;
+    let second = spawn_pull(&h, format!("{}/queued/img1:1", proxy.addr)).await;
+    wait_until("the second pull at its layer", || {
+        proxy.count(&format!("/blobs/{}", imgs[1].0.id())) == 1
+    })
+    .await;
+    // Were the slot taken at once, the second unpack's thread would start within a
+    // millisecond of the pull reaching its layer.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(proxy.held(), 1, "the second download is still queued");
+    assert_eq!(
+        unpack_threads(&h),
+        1,
+        "unpack threads while the second download waits for its place"
+    );
+    proxy.open();
+    for (p, (img, _, noise)) in [first, second].into_iter().zip(&imgs) {
+        let id = tokio::time::timeout(Duration::from_secs(60), p)
+            .await
+            .expect("the pull ended")
+            .unwrap()
+            .unwrap_or_else(|e| panic!("pull: {e}\n{}", h.log_text()))
+            .into_inner()
+            .image_ref;
+        assert_eq!(id, img.id());
+        let info = verbose_info(&h, &id).await;
+        let fs = info["snapshots"][0].as_str().unwrap();
+        assert_eq!(&std::fs::read(format!("{fs}/noise")).unwrap(), noise);
+    }
+}
+
+/// A download that fails while its unpack waits for a slot answers its pull at once, not when
+/// another pull gives the slot back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_download_answers_while_its_unpack_waits_for_a_slot() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let imgs = push_noise_images(&reg, "fails", &[0x5353, 0x6464]).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            split_blobs: vec![(imgs[0].1.digest.clone(), 512 << 10)],
+            long_blobs: vec![(imgs[1].1.digest.clone(), 1 << 20)],
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = Hako::start("[image]\nmax_node_unpacks = 1\n");
+    let holder = spawn_pull(&h, format!("{}/fails/img0:1", proxy.addr)).await;
+    wait_until(
+        "the first download held mid-way, its unpack holding the slot",
+        || proxy.held() == 1 && unpack_threads(&h) == 1,
+    )
+    .await;
+    let failing = spawn_pull(&h, format!("{}/fails/img1:1", proxy.addr)).await;
+    let err = tokio::time::timeout(Duration::from_secs(30), failing)
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the failed pull did not answer while the slot was held\n{}",
+                h.log_text()
+            )
+        })
+        .unwrap()
+        .expect_err("a layer longer than its descriptor");
+    assert_eq!(proxy.held(), 1, "the slot holder is still held");
+    let layer = &imgs[1].1.digest;
+    assert!(
+        err.message().contains(&format!("layer {layer}"))
+            && err.message().contains("its descriptor says"),
+        "{err:?}"
+    );
+    proxy.open();
+    let id = tokio::time::timeout(Duration::from_secs(60), holder)
+        .await
+        .expect("the pull ended")
+        .unwrap()
+        .unwrap_or_else(|e| panic!("pull: {e}\n{}", h.log_text()))
+        .into_inner()
+        .image_ref;
+    assert_eq!(id, imgs[0].0.id());
+    // Nothing of the failed pull is left in the ingest or among the snapshots.
+    wait_until("no ingest file left", || {
+        std::fs::read_dir(h.root.join("ingest")).map_or(0, |d| d.count()) == 0
+    })
+    .await;
+    let tmp: Vec<_> = std::fs::read_dir(h.root.join("snapshots"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("tmp-"))
+        .collect();
+    assert!(tmp.is_empty(), "{tmp:?}");
 }
 
 /// A tar of one one-byte file whose name is written raw (up to 100 bytes), below the tar

@@ -1,17 +1,17 @@
 //! Pulling an image: resolve the reference through the configured endpoints, pick the node's
 //! platform, then fetch and unpack every layer, sharing layer work between concurrent pulls.
 //!
-//! Each layer is one spawned task keyed by chain id in `Inner::inflight`: a second pull of the
-//! same image (or of another image sharing a layer) awaits the same task instead of downloading
-//! again. Downloads of one image run in parallel (bounded by `max_concurrent_downloads`), and
-//! so do the unpacks of up to `max_concurrent_unpacks` layers, each reading its download as it
-//! arrives. Across all pulls, downloads wait for one of `max_concurrent_downloads` slots and
-//! unpacks for one of `max_node_unpacks`. An unpack waits for the layers below only when an entry's
-//! path must resolve through them (`unpack::unpack_layer_over`), and a layer is put in place only
-//! once the one below is. The layer below need not be synced and recorded yet: its `syncfs`
-//! overlaps this unpack, and each layer is still recorded only after a sync that covers its files.
-//! A task runs to completion even if every pull that asked for it is cancelled, so a half-written
-//! directory is never left to a dropped future.
+//! Each layer is one spawned task keyed by chain id in `Inner::inflight`: a second pull of the same
+//! image (or of another image sharing a layer) awaits the same task instead of downloading again.
+//! Downloads of one image run in parallel (bounded by `max_concurrent_downloads`), and so do the
+//! unpacks of up to `max_concurrent_unpacks` layers, each reading its download as it arrives.
+//! Across all pulls, downloads wait for one of `max_concurrent_downloads` slots and unpacks for one
+//! of `max_node_unpacks`, asked for once the layer's download is under way. An unpack waits for the
+//! layers below only when an entry's path must resolve through them (`unpack::unpack_layer_over`),
+//! and a layer is put in place only once the one below is. The layer below need not be synced and
+//! recorded yet: its `syncfs` overlaps this unpack, and each layer is still recorded only after a
+//! sync that covers its files. A task runs to completion even if every pull that asked for it is
+//! cancelled, so a half-written directory is never left to a dropped future.
 
 use std::future::Future;
 use std::os::fd::AsRawFd;
@@ -602,6 +602,7 @@ impl LayerJob {
                     .acquire()
                     .await
                     .map_err(|_| Error::Internal("download semaphore closed".into()))?;
+                growth.set(GrowthState::Running);
                 let progress = Progress::new();
                 let mut writer = ProgressWriter {
                     inner: tokio::io::BufWriter::with_capacity(
@@ -637,22 +638,50 @@ impl LayerJob {
         let below_failed =
             |e: Arc<Error>| duplicate(&e).context(format!("layer below {}", self.digest));
         let unpack = async {
-            if let Some(ahead) = self.ahead.clone() {
-                ahead.await.map_err(below_failed)?;
-            }
-            if let Some(below) = self.parent_started.clone() {
-                below.await.map_err(below_failed)?;
-            }
-            let asked = Instant::now();
-            // Held by the unpack thread until it ends: each unpack holds three threads and a
-            // decompressor window (up to 128 MiB for zstd), so the number at once is bounded
-            // on the node, not only per image.
-            let slot = inner
-                .unpacks
-                .clone()
-                .acquire_owned()
-                .await
-                .map_err(|_| Error::Internal("unpack semaphore closed".into()))?;
+            let ready = async {
+                if let Some(ahead) = self.ahead.clone() {
+                    ahead.await.map_err(below_failed)?;
+                }
+                if let Some(below) = self.parent_started.clone() {
+                    below.await.map_err(below_failed)?;
+                }
+                // Only a download under way feeds an unpack: with fewer download places than
+                // slots, threads parked on empty ingest files would hold the slots that layers
+                // already downloaded wait for.
+                let _ = growth
+                    .phase
+                    .subscribe()
+                    .wait_for(|s| *s != GrowthState::Queued)
+                    .await;
+                let asked = Instant::now();
+                // Held by the unpack thread until it ends: each unpack holds three threads and
+                // a decompressor window (up to 128 MiB for zstd), so the number at once is
+                // bounded on the node, not only per image.
+                let slot = inner
+                    .unpacks
+                    .clone()
+                    .acquire_owned()
+                    .await
+                    .map_err(|_| Error::Internal("unpack semaphore closed".into()))?;
+                Ok::<_, Error>((asked, slot))
+            };
+            let download_failed = async {
+                let mut phase = growth.phase.subscribe();
+                if phase.wait_for(|s| *s == GrowthState::Failed).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            // A download that fails while its unpack still waits answers the pull now, not
+            // once a slot frees up; no thread was started, so nothing is left running.
+            let (asked, slot) = tokio::select! {
+                r = ready => r?,
+                () = download_failed => {
+                    return Err(Error::Internal(format!(
+                        "download of layer {} failed before its unpack began",
+                        self.digest
+                    )))
+                }
+            };
             if let Some(tx) = milestones.started.take() {
                 let _ = tx.send(Ok(()));
             }
@@ -805,6 +834,8 @@ struct Milestones {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum GrowthState {
+    /// Waiting for one of the node's download places.
+    Queued,
     Running,
     Done,
     Failed,
@@ -815,13 +846,16 @@ enum GrowthState {
 struct Growth {
     state: std::sync::Mutex<GrowthState>,
     grew: std::sync::Condvar,
+    /// The same state for async waiters: the unpack, before it asks for a slot.
+    phase: tokio::sync::watch::Sender<GrowthState>,
 }
 
 impl Default for Growth {
     fn default() -> Self {
         Growth {
-            state: std::sync::Mutex::new(GrowthState::Running),
+            state: std::sync::Mutex::new(GrowthState::Queued),
             grew: std::sync::Condvar::new(),
+            phase: tokio::sync::watch::Sender::new(GrowthState::Queued),
         }
     }
 }
@@ -829,6 +863,7 @@ impl Default for Growth {
 impl Growth {
     fn set(&self, s: GrowthState) {
         *self.state.lock().expect("growth poisoned") = s;
+        self.phase.send_replace(s);
         self.grew.notify_all();
     }
 }
@@ -898,7 +933,7 @@ impl std::io::Read for GrowingReader {
                 }
                 // The writer's file writes complete in the background, after its wake-up:
                 // look again soon even without one.
-                GrowthState::Running => {
+                GrowthState::Queued | GrowthState::Running => {
                     let _ = self
                         .growth
                         .grew
