@@ -1071,6 +1071,9 @@ async fn a_failed_download_answers_while_its_unpack_waits_for_a_slot() {
     }
     let reg = Registry::start();
     let imgs = push_noise_images(&reg, "fails", &[0x5353, 0x6464]).await;
+    // Not yet guarded: an image whose failed layer is above one waiting for the slot. Its
+    // pull answers once that layer ends, since a failed pull's cleanup must see every layer
+    // it finished.
     let proxy = Proxy::start(
         &reg.addr,
         Behaviour {
@@ -1087,8 +1090,8 @@ async fn a_failed_download_answers_while_its_unpack_waits_for_a_slot() {
         || proxy.held() == 1 && unpack_threads(&h) == 1,
     )
     .await;
-    let failing = spawn_pull(&h, format!("{}/fails/img1:1", proxy.addr)).await;
-    let err = tokio::time::timeout(Duration::from_secs(30), failing)
+    let pull = spawn_pull(&h, format!("{}/fails/img1:1", proxy.addr)).await;
+    let err = tokio::time::timeout(Duration::from_secs(30), pull)
         .await
         .unwrap_or_else(|_| {
             panic!(
@@ -1125,6 +1128,67 @@ async fn a_failed_download_answers_while_its_unpack_waits_for_a_slot() {
         .filter(|e| e.file_name().to_string_lossy().starts_with("tmp-"))
         .collect();
     assert!(tmp.is_empty(), "{tmp:?}");
+}
+
+/// A layer whose layer below failed before its unpack began stops its download: nothing will
+/// read it, and it would hold a download place (here, until the registry let it go).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_layer_stops_the_download_above_it() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
+        return;
+    }
+    let reg = Registry::start();
+    let bad = Layer::new(
+        &oci::marker_tar("bad", &oci::noise(0x8686, 64 << 10)),
+        Compression::Gzip,
+        false,
+    );
+    let above = Layer::new(
+        &oci::marker_tar("above", &oci::noise(0x9797, 2 << 20)),
+        Compression::Gzip,
+        false,
+    );
+    let img = Image::new(
+        vec![bad.clone(), above.clone()],
+        &ImageConf::default(),
+        false,
+    );
+    Pusher::new(&reg.addr).push("stops/img", "1", &img).await;
+    let proxy = Proxy::start(
+        &reg.addr,
+        Behaviour {
+            long_blobs: vec![(bad.digest.clone(), 1 << 20)],
+            split_blobs: vec![(above.digest.clone(), 512 << 10)],
+            ..Default::default()
+        },
+    )
+    .await;
+    let h = Hako::start("");
+    let err = tokio::time::timeout(
+        Duration::from_secs(30),
+        spawn_pull(&h, format!("{}/stops/img:1", proxy.addr)).await,
+    )
+    .await
+    .unwrap_or_else(|_| panic!("the pull did not answer\n{}", h.log_text()))
+    .unwrap()
+    .expect_err("a layer longer than its descriptor");
+    assert!(
+        err.message().contains(&format!("layer {}", bad.digest)),
+        "{err:?}"
+    );
+    // Whether the download above reached the registry before it was stopped or not, none is
+    // held once it had time to: a download left running would wait there for ever.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    wait_until("the download above let go", || proxy.held() == 0).await;
+    eprintln!(
+        "downloads of the layer above: {} asked, {} hung up while held",
+        proxy.count(&format!("/blobs/{}", above.digest)),
+        proxy.hung_up()
+    );
+    wait_until("no ingest file left", || {
+        std::fs::read_dir(h.root.join("ingest")).map_or(0, |d| d.count()) == 0
+    })
+    .await;
 }
 
 /// A tar of one one-byte file whose name is written raw (up to 100 bytes), below the tar

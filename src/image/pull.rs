@@ -320,6 +320,9 @@ impl Images {
             started = Some(task.started);
             futs.push(task.done);
         }
+        // Every layer task ends before the pull answers, even after one failed: the cleanup
+        // of a failed pull (`pull`) must see the layers it finished. A failed layer stops the
+        // downloads above it (`below_gone`), so they end soon.
         for r in futures::future::join_all(futs).await {
             r.map_err(|e| duplicate(&e))?;
         }
@@ -637,6 +640,27 @@ impl LayerJob {
         let mut tmp_cleanup = Cleanup(Some(tmp.clone()));
         let below_failed =
             |e: Arc<Error>| duplicate(&e).context(format!("layer below {}", self.digest));
+        // A layer is put in place only on top of the layer below: once that failed, nothing
+        // will use this download, so it stops and frees its place (its reader, if running,
+        // reads Failed and ends, giving its slot back).
+        let below_gone = {
+            let parent = self.parent.clone();
+            async move {
+                let failed = match parent {
+                    Some(p) => p.await.is_err(),
+                    None => false,
+                };
+                if !failed {
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        let download = async move {
+            tokio::select! {
+                r = download => r.map(Some),
+                () = below_gone => Ok(None),
+            }
+        };
         let unpack = async {
             let ready = async {
                 if let Some(ahead) = self.ahead.clone() {
@@ -673,15 +697,16 @@ impl LayerJob {
             };
             // A download that fails while its unpack still waits answers the pull now, not
             // once a slot frees up; no thread was started, so nothing is left running.
-            let (asked, slot) = tokio::select! {
-                r = ready => r?,
-                () = download_failed => {
-                    return Err(Error::Internal(format!(
-                        "download of layer {} failed before its unpack began",
-                        self.digest
-                    )))
-                }
+            let turn = tokio::select! {
+                biased;
+                // Never the pull's answer: the download's own error comes first below.
+                () = download_failed => Err(Error::Internal(format!(
+                    "download of layer {} failed before its unpack began",
+                    self.digest
+                ))),
+                r = ready => r,
             };
+            let (asked, slot) = turn?;
             if let Some(tx) = milestones.started.take() {
                 let _ = tx.send(Ok(()));
             }
@@ -767,6 +792,9 @@ impl LayerJob {
         let (downloaded, unpacked) = tokio::join!(download, unpack);
         let downloaded = downloaded?;
         let (asked, started, unpacked) = unpacked?;
+        // Stopped only when the layer below failed, and then the unpack answered with that.
+        let downloaded = downloaded
+            .ok_or_else(|| Error::Internal(format!("download of layer {} stopped", self.digest)))?;
         let in_use = final_dir.exists() && inner.store.pinned()?.contains(&self.chain_id);
         if in_use {
             // A record-less snapshot a container still runs on (its record was adopted after
@@ -814,7 +842,8 @@ impl LayerJob {
             layer = %self.digest,
             chain_id = %self.chain_id,
             download_ms = ms(queued, downloaded),
-            wait_below_ms = ms(queued, asked),
+            // The layers below and the download's place, before a slot was asked for.
+            wait_turn_ms = ms(queued, asked),
             wait_slot_ms = ms(asked, started),
             unpack_ms = ms(started, unpacked_at),
             sync_and_record_ms = unpacked_at.elapsed().as_millis() as u64,

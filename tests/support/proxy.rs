@@ -84,6 +84,8 @@ pub struct Stats {
     /// many downloads it runs at the same time.
     pub held: AtomicUsize,
     pub max_held: AtomicUsize,
+    /// Held downloads of `split_blobs` whose client hung up while held.
+    pub hung_up: AtomicUsize,
     /// Bytes of canned filler and endless blobs written to clients.
     pub filler_sent: AtomicU64,
 }
@@ -273,6 +275,10 @@ impl Proxy {
         self.stats.stalled.load(Ordering::SeqCst)
     }
 
+    pub fn hung_up(&self) -> usize {
+        self.stats.hung_up.load(Ordering::SeqCst)
+    }
+
     pub fn max_held(&self) -> usize {
         self.stats.max_held.load(Ordering::SeqCst)
     }
@@ -445,11 +451,20 @@ async fn handle(
         }
         let now = stats.held.fetch_add(1, Ordering::SeqCst) + 1;
         stats.max_held.fetch_max(now, Ordering::SeqCst);
-        let permit = gate.acquire().await;
+        // The client sends nothing more after its request: a read that ends is its hang-up.
+        let mut byte = [0u8; 1];
+        let permit = tokio::select! {
+            p = gate.acquire() => Some(p),
+            _ = s.read(&mut byte) => None,
+        };
         stats.held.fetch_sub(1, Ordering::SeqCst);
         match permit {
-            Ok(p) => p.forget(),
-            Err(_) => return,
+            Some(Ok(p)) => p.forget(),
+            Some(Err(_)) => return,
+            None => {
+                stats.hung_up.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
         }
         let _ = s.write_all(&real[first..]).await;
         return;
