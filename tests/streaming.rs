@@ -16,7 +16,7 @@ use hako::config::StreamingConfig;
 use hako::error::{Error, Result};
 use hako::streaming::spdy::{self, Codec, Frame};
 use hako::streaming::{
-    AttachRequest, Backend, BoxRead, BoxWrite, ExecRequest, Session, Streaming, TermSize,
+    AttachRequest, Backend, BoxRead, BoxWrite, ExecRequest, Owner, Session, Streaming, TermSize,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 
@@ -161,6 +161,14 @@ async fn start(host: &Arc<Host>, idle_secs: u64, ttl: Duration) -> Streaming {
         .expect("start the streaming server")
 }
 
+/// The one pod these sessions belong to.
+fn pod1() -> Owner {
+    Owner {
+        pod: "pod1".into(),
+        namespace: "default".into(),
+    }
+}
+
 fn exec_req(cmd: &str, tty: bool, stdin: bool) -> ExecRequest {
     ExecRequest {
         container_id: "c1".into(),
@@ -252,7 +260,7 @@ async fn exec_reports_exit_codes_and_outputs() {
     for t in TRANSPORTS {
         let url = server
             .exec_url(
-                "pod1",
+                pod1(),
                 exec_req("echo out; echo err >&2; exit 7", false, false),
             )
             .unwrap();
@@ -263,14 +271,14 @@ async fn exec_reports_exit_codes_and_outputs() {
             "{t:?}"
         );
         let url = server
-            .exec_url("pod1", exec_req("echo fine", false, false))
+            .exec_url(pod1(), exec_req("echo fine", false, false))
             .unwrap();
         let out = run(&[&["exec"], t, &[&url]].concat(), b"").await;
         assert_eq!((out.code, out.stdout.as_str()), (0, "fine\n"), "{t:?}");
         // A command the backend cannot start: a Failure status naming the cause.
         let mut req = exec_req("", false, false);
         req.cmd = vec!["/nonexistent/tool".into()];
-        let url = server.exec_url("pod1", req).unwrap();
+        let url = server.exec_url(pod1(), req).unwrap();
         let out = run(&[&["exec"], t, &[&url]].concat(), b"").await;
         assert_eq!(out.code, 125, "{t:?}: {}", out.stderr);
         assert!(
@@ -286,7 +294,7 @@ async fn exec_reports_exit_codes_and_outputs() {
         (&[][..], "v2.channel.k8s.io", 125),
     ] {
         let url = server
-            .exec_url("pod1", exec_req("echo out; exit 7", false, false))
+            .exec_url(pod1(), exec_req("echo out; exit 7", false, false))
             .unwrap();
         let out = run(&[&["exec", "-proto", proto], t, &[&url]].concat(), b"").await;
         assert_eq!(
@@ -312,7 +320,7 @@ async fn exec_stdin_reaches_the_process_and_its_end_closes_it() {
     let big: String = (0..20000).map(|i| format!("line {i}\n")).collect();
     for t in TRANSPORTS {
         let url = server
-            .exec_url("pod1", exec_req("cat; echo done", false, true))
+            .exec_url(pod1(), exec_req("cat; echo done", false, true))
             .unwrap();
         let out = run(&[&["exec", "-stdin"], t, &[&url]].concat(), big.as_bytes()).await;
         assert_eq!(out.code, 0, "{t:?}: {}", out.stderr);
@@ -332,7 +340,7 @@ async fn exec_with_a_tty_follows_resizes() {
     let script = r#"while [ "$(stty size)" != "30 100" ]; do sleep 0.05; done; stty size; exit 3"#;
     for t in TRANSPORTS {
         let url = server
-            .exec_url("pod1", exec_req(script, true, false))
+            .exec_url(pod1(), exec_req(script, true, false))
             .unwrap();
         let out = run(
             &[&["exec", "-tty", "-resize", "80x24,100x30"], t, &[&url]].concat(),
@@ -355,7 +363,7 @@ async fn attach_joins_stdio() {
     for t in TRANSPORTS {
         let url = server
             .attach_url(
-                "pod1",
+                pod1(),
                 AttachRequest {
                     container_id: "c1".into(),
                     tty: false,
@@ -437,7 +445,7 @@ async fn port_forward_carries_concurrent_connections() {
     let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
     let (port, open) = echo_server().await;
     for t in TRANSPORTS {
-        let url = server.port_forward_url("pod1").unwrap();
+        let url = server.port_forward_url(pod1()).unwrap();
         let (mut child, local) = forward(&url, port, t).await;
         let conns = (0..20).map(|i| async move {
             let mut s = tokio::net::TcpStream::connect(("127.0.0.1", local))
@@ -479,7 +487,7 @@ async fn killed_clients_leave_nothing_behind() {
     let attach = || {
         server
             .attach_url(
-                "pod1",
+                pod1(),
                 AttachRequest {
                     container_id: "c1".into(),
                     tty: false,
@@ -495,7 +503,7 @@ async fn killed_clients_leave_nothing_behind() {
             (
                 server
                     .exec_url(
-                        "pod1",
+                        pod1(),
                         exec_req("echo started; exec sleep 1000", false, true),
                     )
                     .unwrap(),
@@ -504,7 +512,7 @@ async fn killed_clients_leave_nothing_behind() {
             (
                 server
                     .exec_url(
-                        "pod1",
+                        pod1(),
                         exec_req("echo started; exec sleep 1000", true, true),
                     )
                     .unwrap(),
@@ -544,7 +552,7 @@ async fn idle_connections_are_closed() {
     let server = start(&host, 1, hako::streaming::TOKEN_TTL).await;
     for t in TRANSPORTS {
         let url = server
-            .exec_url("pod1", exec_req("exec sleep 1000", false, false))
+            .exec_url(pod1(), exec_req("exec sleep 1000", false, false))
             .unwrap();
         // The client ends (it would wait for `sleep` otherwise): the server closed the idle
         // connection. client-go reports a closed connection without a status as success.
@@ -595,7 +603,7 @@ async fn tokens_are_single_use_and_expire() {
         ("X-Stream-Protocol-Version", "v4.channel.k8s.io"),
     ];
     let url = server
-        .exec_url("pod1", exec_req("true", false, false))
+        .exec_url(pod1(), exec_req("true", false, false))
         .unwrap();
     let (code, head) = raw(port, &path_of(&url), &spdy).await;
     assert_eq!(code, 101, "{head}");
@@ -607,7 +615,7 @@ async fn tokens_are_single_use_and_expire() {
     assert_eq!(code, 404, "a token is good once");
     // A token for exec does not open a port-forward.
     let url = server
-        .exec_url("pod1", exec_req("true", false, false))
+        .exec_url(pod1(), exec_req("true", false, false))
         .unwrap();
     let (code, _) = raw(
         port,
@@ -619,7 +627,7 @@ async fn tokens_are_single_use_and_expire() {
 
     let expiring = start(&host, 3600, Duration::ZERO).await;
     let url = expiring
-        .exec_url("pod1", exec_req("true", false, false))
+        .exec_url(pod1(), exec_req("true", false, false))
         .unwrap();
     let (code, _) = raw(expiring.addr().port(), &path_of(&url), &spdy).await;
     assert_eq!(code, 404, "an expired token");
@@ -633,7 +641,7 @@ async fn protocol_versions_are_negotiated() {
     let port = server.addr().port();
     let url = || {
         server
-            .exec_url("pod1", exec_req("true", false, false))
+            .exec_url(pod1(), exec_req("true", false, false))
             .unwrap()
     };
     let (code, head) = raw(
@@ -685,7 +693,7 @@ async fn protocol_versions_are_negotiated() {
     );
     let (code, _) = raw(port, &path_of(&url()), &ws("bogus")).await;
     assert_eq!(code, 400);
-    let pf = server.port_forward_url("pod1").unwrap();
+    let pf = server.port_forward_url(pod1()).unwrap();
     let (code, head) = raw(port, &path_of(&pf), &ws("SPDY/3.1+portforward.k8s.io")).await;
     assert_eq!(code, 101, "{head}");
     let (code, _) = raw(port, "/exec/nonsense", &ws("v5.channel.k8s.io")).await;
@@ -733,7 +741,7 @@ async fn tls_when_a_certificate_is_configured() {
     let server = Streaming::start(&config, host.clone()).await.unwrap();
     for t in TRANSPORTS {
         let url = server
-            .exec_url("pod1", exec_req("echo secret; exit 4", false, false))
+            .exec_url(pod1(), exec_req("echo secret; exit 4", false, false))
             .unwrap();
         assert!(url.starts_with("https://127.0.0.1:"), "{url}");
         let out = run(&[&["exec", "-insecure"], t, &[&url]].concat(), b"").await;
@@ -871,7 +879,7 @@ impl RawSpdy {
 async fn oversized_spdy_frames_close_the_connection() {
     let host = Arc::new(Host::default());
     let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
-    let url = server.port_forward_url("pod1").unwrap();
+    let url = server.port_forward_url(pod1()).unwrap();
     let mut c = RawSpdy::connect(&url, "portforward.k8s.io").await;
     // A DATA frame announcing 16 MiB - 1 bytes (all SPDY's length field holds), the start of it.
     let mut frame = vec![0, 0, 0, 1, 0, 0xff, 0xff, 0xff];
@@ -889,7 +897,7 @@ async fn unpaired_port_forward_streams_are_reset_after_the_pairing_timeout() {
     let host = Arc::new(Host::default());
     let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
     let (port, _) = echo_server().await;
-    let url = server.port_forward_url("pod1").unwrap();
+    let url = server.port_forward_url(pod1()).unwrap();
     let mut c = RawSpdy::connect(&url, "portforward.k8s.io").await;
     // Request 1 sends only its error stream, request 2 only its data stream.
     c.open_forward(1, "error", "1", port).await;
@@ -958,7 +966,7 @@ async fn concurrent_port_forwards_are_limited_per_connection() {
     let host = Arc::new(Host::default());
     let server = start(&host, 3600, hako::streaming::TOKEN_TTL).await;
     let (port, open) = echo_server().await;
-    let url = server.port_forward_url("pod1").unwrap();
+    let url = server.port_forward_url(pod1()).unwrap();
     let mut c = RawSpdy::connect(&url, "portforward.k8s.io").await;
     let error_of = |i: usize| 4 * i as u32 + 1;
     let data_of = |i: usize| 4 * i as u32 + 3;
@@ -1085,7 +1093,7 @@ async fn a_slow_reader_still_gets_the_exit_status() {
 
     // SPDY, v4: streams error, stdout, stderr; one frame read per pause.
     let url = server
-        .exec_url("pod1", exec_req(&cmd, false, false))
+        .exec_url(pod1(), exec_req(&cmd, false, false))
         .unwrap();
     let (mut rd, mut wr) = upgrade(
         &url,
@@ -1132,7 +1140,7 @@ async fn a_slow_reader_still_gets_the_exit_status() {
 
     // WebSocket, v5: one message read per pause.
     let url = server
-        .exec_url("pod1", exec_req(&cmd, false, false))
+        .exec_url(pod1(), exec_req(&cmd, false, false))
         .unwrap();
     let (mut rd, wr) = upgrade(
         &url,
@@ -1186,6 +1194,65 @@ fn proc_status(pid: i32, field: &str) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap();
     kb * 1024
+}
+
+/// The real daemon: the streaming sessions of one namespace's pods stop at the namespace's
+/// share (two pods' full shares here), the refusal naming the namespace and the pod; a pod of
+/// another namespace still gets its session.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_namespace_holds_only_its_share_of_the_streaming_sessions() {
+    use hako::streaming::{MAX_SESSIONS_PER_NAMESPACE, MAX_SESSIONS_PER_POD};
+    use hako_proto::cri;
+    if !support::e2e_ready(&[]) {
+        return;
+    }
+    let h = support::hako::Hako::start("");
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let mut pods = Vec::new();
+    for (name, namespace) in [
+        ("t0", "tenant"),
+        ("t1", "tenant"),
+        ("t2", "tenant"),
+        ("o0", "other"),
+    ] {
+        let mut cfg = support::cri::with_namespaces(
+            support::cri::pod_config(name, logs.path()),
+            cri::NamespaceOption {
+                network: cri::NamespaceMode::Node as i32,
+                ..Default::default()
+            },
+        );
+        cfg.metadata.as_mut().unwrap().namespace = namespace.into();
+        pods.push(support::cri::run_pod(&mut rt, &cfg).await);
+    }
+    async fn forward(rt: &mut support::cri::Rt, pod: &str) -> Result<String, tonic::Status> {
+        rt.port_forward(cri::PortForwardRequest {
+            pod_sandbox_id: pod.into(),
+            port: vec![80],
+        })
+        .await
+        .map(|r| r.into_inner().url)
+    }
+    let full = MAX_SESSIONS_PER_NAMESPACE / MAX_SESSIONS_PER_POD;
+    for pod in &pods[..full] {
+        for _ in 0..MAX_SESSIONS_PER_POD {
+            forward(&mut rt, pod).await.unwrap();
+        }
+    }
+    let err = forward(&mut rt, &pods[2])
+        .await
+        .expect_err("a third pod of a namespace whose share is full");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(
+        err.message().contains(&format!(
+            "namespace \"tenant\" hold {MAX_SESSIONS_PER_NAMESPACE} sessions"
+        )) && err.message().contains(&format!("pod {} asked", pods[2])),
+        "{err:?}"
+    );
+    forward(&mut rt, &pods[3])
+        .await
+        .expect("a pod of another namespace");
 }
 
 /// The real daemon: a client that pushes 200 MiB into port-forward streams the daemon cannot

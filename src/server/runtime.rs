@@ -82,7 +82,8 @@ where
 impl Runtime {
     /// Exec and Attach need the container running (kubelet's server checks the same).
     /// The container's pod's id, once the container is known to run.
-    async fn running(&self, rpc: &str, id: &str) -> Result<String, Status> {
+    /// Container `id` if it runs: whom its streaming sessions are counted to.
+    async fn running(&self, rpc: &str, id: &str) -> Result<crate::streaming::Owner, Status> {
         let v = self
             .daemon
             .runtime
@@ -98,7 +99,16 @@ impl Runtime {
                 )),
             ));
         }
-        Ok(v.record.pod_id.clone())
+        let pod = self
+            .daemon
+            .runtime
+            .pod_view(&v.record.pod_id)
+            .await
+            .map_err(|e| status(rpc, e))?;
+        Ok(crate::streaming::Owner {
+            pod: pod.record.id.clone(),
+            namespace: pod.record.spec.namespace.clone(),
+        })
     }
 }
 
@@ -656,13 +666,13 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::ExecResponse>, Status> {
         let req = req.into_inner();
         tracing::debug!(rpc = "Exec", container = %req.container_id, cmd = ?req.cmd, tty = req.tty);
-        let pod = self.running("Exec", &req.container_id).await?;
+        let owner = self.running("Exec", &req.container_id).await?;
         let url = self
             .daemon
             .streaming()
             .and_then(|s| {
                 s.exec_url(
-                    &pod,
+                    owner,
                     crate::streaming::ExecRequest {
                         container_id: req.container_id,
                         cmd: req.cmd,
@@ -683,13 +693,13 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::AttachResponse>, Status> {
         let req = req.into_inner();
         tracing::debug!(rpc = "Attach", container = %req.container_id, tty = req.tty);
-        let pod = self.running("Attach", &req.container_id).await?;
+        let owner = self.running("Attach", &req.container_id).await?;
         let url = self
             .daemon
             .streaming()
             .and_then(|s| {
                 s.attach_url(
-                    &pod,
+                    owner,
                     crate::streaming::AttachRequest {
                         container_id: req.container_id,
                         tty: req.tty,
@@ -727,7 +737,12 @@ impl RuntimeService for Runtime {
         let url = self
             .daemon
             .streaming()
-            .and_then(|s| s.port_forward_url(&view.record.id))
+            .and_then(|s| {
+                s.port_forward_url(crate::streaming::Owner {
+                    pod: view.record.id.clone(),
+                    namespace: view.record.spec.namespace.clone(),
+                })
+            })
             .map_err(|e| status("PortForward", e))?;
         Ok(Response::new(cri::PortForwardResponse { url }))
     }

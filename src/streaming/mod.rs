@@ -14,7 +14,9 @@ pub mod ws;
 
 pub use conn::BUDGET;
 pub use remote::{MAX_FORWARDS, STREAM_CREATION_TIMEOUT};
-pub use server::{NoBackend, Streaming, TOKEN_TTL};
+pub use server::{
+    NoBackend, Owner, Streaming, MAX_SESSIONS_PER_NAMESPACE, MAX_SESSIONS_PER_POD, TOKEN_TTL,
+};
 
 use std::future::Future;
 use std::pin::Pin;

@@ -35,6 +35,9 @@ pub const MAX_SESSIONS: usize = 1024;
 /// one pod's users (or clients that never hang up) cannot take every other pod's. kubectl opens
 /// one session per exec, attach or port-forward command: this is many terminals' worth.
 pub const MAX_SESSIONS_PER_POD: usize = 256;
+/// Sessions the pods of one namespace may hold together: half the node's, so the users of one
+/// namespace, however many pods they run, leave the other half to the rest of the node.
+pub const MAX_SESSIONS_PER_NAMESPACE: usize = 512;
 /// A client has this long to send its request headers.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -43,11 +46,44 @@ const WS_PROTOCOL: &str = "sec-websocket-protocol";
 const PORT_FORWARD: &str = "portforward.k8s.io";
 const PORT_FORWARD_TUNNEL: &str = "SPDY/3.1+portforward.k8s.io";
 
-/// A session waiting for its client, and the pod it is counted to.
+/// Whom a session is counted to: its pod (the full id) and the pod's namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub pod: String,
+    pub namespace: String,
+}
+
+/// A session waiting for its client, and whom it is counted to.
 #[derive(Debug, Clone)]
 struct Pending {
-    pod: String,
+    owner: Owner,
     what: What,
+}
+
+/// Running sessions per pod and per namespace, for their shares.
+#[derive(Debug, Default)]
+struct Held {
+    pods: HashMap<String, usize>,
+    namespaces: HashMap<String, usize>,
+}
+
+impl Held {
+    fn of(&self, owner: &Owner) -> (usize, usize) {
+        (
+            self.pods.get(&owner.pod).copied().unwrap_or(0),
+            self.namespaces.get(&owner.namespace).copied().unwrap_or(0),
+        )
+    }
+}
+
+/// Takes one from `key`'s count, forgetting the key at zero.
+fn release(counts: &mut HashMap<String, usize>, key: &str) {
+    if let Some(n) = counts.get_mut(key) {
+        *n -= 1;
+        if *n == 0 {
+            counts.remove(key);
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -74,8 +110,9 @@ struct Inner {
     idle: Duration,
     ttl: Duration,
     sessions: AtomicUsize,
-    /// Running sessions per pod id, for `MAX_SESSIONS_PER_POD`.
-    per_pod: Mutex<HashMap<String, usize>>,
+    /// Running sessions per pod and namespace, for `MAX_SESSIONS_PER_POD` and
+    /// `MAX_SESSIONS_PER_NAMESPACE`.
+    held: Mutex<Held>,
 }
 
 /// The running server; dropping it stops accepting (sessions in progress run to their end).
@@ -156,7 +193,7 @@ impl Streaming {
             idle: Duration::from_secs(config.idle_timeout_secs.max(1)),
             ttl,
             sessions: AtomicUsize::new(0),
-            per_pod: Mutex::new(HashMap::new()),
+            held: Mutex::new(Held::default()),
         });
         tracing::info!(url = %inner.base_url, "streaming server listening");
         let accept = tokio::spawn(accept_loop(listener, tls, inner.clone()));
@@ -176,9 +213,9 @@ impl Streaming {
         self.inner.sessions.load(Ordering::SeqCst)
     }
 
-    /// The URL for an exec in a container of pod `pod_id` (its full id: sessions are counted
-    /// per pod); the request's streams are checked as kubelet checks them.
-    pub fn exec_url(&self, pod_id: &str, req: ExecRequest) -> Result<String> {
+    /// The URL for an exec in a container of `owner`'s pod (sessions are counted per pod and
+    /// per namespace); the request's streams are checked as kubelet checks them.
+    pub fn exec_url(&self, owner: Owner, req: ExecRequest) -> Result<String> {
         if req.cmd.is_empty() {
             return Err(Error::InvalidArgument(format!(
                 "exec in container {}: no command given",
@@ -192,11 +229,11 @@ impl Streaming {
             req.stderr,
             req.tty,
         )?;
-        self.inner.issue(pod_id, What::Exec(req))
+        self.inner.issue(owner, What::Exec(req))
     }
 
     /// As `exec_url`, for an attach.
-    pub fn attach_url(&self, pod_id: &str, req: AttachRequest) -> Result<String> {
+    pub fn attach_url(&self, owner: Owner, req: AttachRequest) -> Result<String> {
         check_streams(
             &req.container_id,
             req.stdin,
@@ -204,12 +241,12 @@ impl Streaming {
             req.stderr,
             req.tty,
         )?;
-        self.inner.issue(pod_id, What::Attach(req))
+        self.inner.issue(owner, What::Attach(req))
     }
 
-    /// The URL for a port-forward to pod `pod_id` (its full id).
-    pub fn port_forward_url(&self, pod_id: &str) -> Result<String> {
-        self.inner.issue(pod_id, What::PortForward)
+    /// The URL for a port-forward to `owner`'s pod.
+    pub fn port_forward_url(&self, owner: Owner) -> Result<String> {
+        self.inner.issue(owner, What::PortForward)
     }
 }
 
@@ -228,12 +265,9 @@ fn check_streams(id: &str, stdin: bool, stdout: bool, stderr: bool, tty: bool) -
 }
 
 impl Inner {
-    /// A URL for `what` in pod `pod`, its request kept under a fresh token.
-    fn issue(&self, pod: &str, what: What) -> Result<String> {
-        let pending = Pending {
-            pod: pod.to_string(),
-            what,
-        };
+    /// A URL for `what` in `owner`'s pod, its request kept under a fresh token.
+    fn issue(&self, owner: Owner, what: What) -> Result<String> {
+        let pending = Pending { owner, what };
         let mut raw = [0u8; 24];
         ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut raw)
             .map_err(|_| Error::Internal("streaming token: the OS random source failed".into()))?;
@@ -253,33 +287,40 @@ impl Inner {
                 "streaming server: {MAX_TOKENS} requests are waiting for their client already"
             )));
         }
-        let waiting = tokens
-            .values()
-            .filter(|(_, p)| p.pod == pending.pod)
-            .count();
-        let held = waiting + self.running_in(&pending.pod);
-        if held >= MAX_SESSIONS_PER_POD {
+        let owner = &pending.owner;
+        let (mut pod_held, mut ns_held) = self
+            .held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .of(owner);
+        for (_, p) in tokens.values() {
+            pod_held += usize::from(p.owner.pod == owner.pod);
+            ns_held += usize::from(p.owner.namespace == owner.namespace);
+        }
+        if pod_held >= MAX_SESSIONS_PER_POD {
             return Err(Error::Unavailable(format!(
-                "streaming server: pod {} holds {held} sessions (running or waiting for their client) already, the most one pod may hold",
-                pending.pod
+                "streaming server: pod {} holds {pod_held} sessions (running or waiting for their client) already, the most one pod may hold",
+                owner.pod
+            )));
+        }
+        if ns_held >= MAX_SESSIONS_PER_NAMESPACE {
+            return Err(Error::Unavailable(format!(
+                "streaming server: the pods of namespace {:?} hold {ns_held} sessions (running or waiting for their client) already, the most one namespace may hold; pod {} asked",
+                owner.namespace, owner.pod
             )));
         }
         tokens.insert(token.clone(), (now, pending));
         Ok(format!("{}/{kind}/{token}", self.base_url))
     }
 
-    fn running_in(&self, pod: &str) -> usize {
-        let per_pod = self.per_pod.lock().unwrap_or_else(|e| e.into_inner());
-        per_pod.get(pod).copied().unwrap_or(0)
-    }
-
-    /// A place for a session of `pod`, node-wide and in its pod's share; none when either is
-    /// full.
-    fn place(self: &Arc<Self>, pod: &str) -> Option<Place> {
-        // The pod's share first, under its lock: a pod over its share takes no node-wide
-        // place, even for a moment, from another pod.
-        let mut per_pod = self.per_pod.lock().unwrap_or_else(|e| e.into_inner());
-        if per_pod.get(pod).copied().unwrap_or(0) >= MAX_SESSIONS_PER_POD {
+    /// A place for a session of `owner`, node-wide and in its pod's and namespace's shares;
+    /// none when any is full.
+    fn place(self: &Arc<Self>, owner: &Owner) -> Option<Place> {
+        // The shares first, under their lock: an owner over its share takes no node-wide
+        // place, even for a moment, from another.
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let (pod_held, ns_held) = held.of(owner);
+        if pod_held >= MAX_SESSIONS_PER_POD || ns_held >= MAX_SESSIONS_PER_NAMESPACE {
             return None;
         }
         self.sessions
@@ -287,8 +328,9 @@ impl Inner {
                 (n < MAX_SESSIONS).then_some(n + 1)
             })
             .ok()?;
-        *per_pod.entry(pod.to_string()).or_insert(0) += 1;
-        Some(Place(self.clone(), pod.to_string()))
+        *held.pods.entry(owner.pod.clone()).or_insert(0) += 1;
+        *held.namespaces.entry(owner.namespace.clone()).or_insert(0) += 1;
+        Some(Place(self.clone(), owner.clone()))
     }
 
     /// The request behind a token, once: a second use or an expired token finds nothing.
@@ -418,10 +460,10 @@ fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>
     // The session's place, taken now: tokens issued before the sessions filled up, upgraded
     // at once, must not take them past the bound. Given back when the session (or a failed
     // upgrade) ends, or when this request goes no further.
-    let Some(place) = inner.place(&pending.pod) else {
+    let Some(place) = inner.place(&pending.owner) else {
         return plain(
             StatusCode::SERVICE_UNAVAILABLE,
-            "the streaming server runs as many sessions as it serves at once, or as the pod may hold",
+            "the streaming server runs as many sessions as it serves at once, or as the pod or its namespace may hold",
         );
     };
     let headers = req.headers();
@@ -534,19 +576,16 @@ fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>
     resp
 }
 
-/// A place among the `MAX_SESSIONS` sessions and in its pod's share, given back when dropped.
-struct Place(Arc<Inner>, String);
+/// A place among the `MAX_SESSIONS` sessions and in its pod's and namespace's shares, given
+/// back when dropped.
+struct Place(Arc<Inner>, Owner);
 
 impl Drop for Place {
     fn drop(&mut self) {
-        let mut per_pod = self.0.per_pod.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = per_pod.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                per_pod.remove(&self.1);
-            }
-        }
-        drop(per_pod);
+        let mut held = self.0.held.lock().unwrap_or_else(|e| e.into_inner());
+        release(&mut held.pods, &self.1.pod);
+        release(&mut held.namespaces, &self.1.namespace);
+        drop(held);
         self.0.sessions.fetch_sub(1, Ordering::SeqCst);
     }
 }
@@ -559,7 +598,7 @@ async fn run_session(
 ) {
     let backend = inner.backend.clone();
     let idle = inner.idle;
-    let pod = pending.pod;
+    let pod = pending.owner.pod;
     match (pending.what, proto) {
         (What::PortForward, Proto::PortForwardSpdy) => {
             remote::port_forward(io, idle, backend, pod).await
@@ -610,6 +649,18 @@ async fn session(
 mod tests {
     use super::*;
 
+    /// Pod `pod`, alone in a namespace of its own.
+    fn own(pod: &str) -> Owner {
+        in_namespace(pod, &format!("ns-{pod}"))
+    }
+
+    fn in_namespace(pod: &str, namespace: &str) -> Owner {
+        Owner {
+            pod: pod.into(),
+            namespace: namespace.into(),
+        }
+    }
+
     fn server_inner(ttl: Duration) -> Inner {
         Inner {
             backend: Arc::new(NoBackend),
@@ -618,30 +669,32 @@ mod tests {
             idle: Duration::from_secs(1),
             ttl,
             sessions: AtomicUsize::new(0),
-            per_pod: Mutex::new(HashMap::new()),
+            held: Mutex::new(Held::default()),
         }
     }
 
     #[test]
     fn tokens_are_single_use_random_kind_bound_and_bounded() {
         let inner = server_inner(TOKEN_TTL);
-        let url = inner.issue("p", What::PortForward).unwrap();
+        let url = inner.issue(own("p"), What::PortForward).unwrap();
         let token = url.rsplit('/').next().unwrap().to_string();
         // 24 random bytes, base64url: 192 bits.
         assert_eq!(token.len(), 32);
-        let other = inner.issue("p", What::PortForward).unwrap();
+        let other = inner.issue(own("p"), What::PortForward).unwrap();
         assert_ne!(url, other);
         assert!(inner.take("exec", &token).is_none(), "kind must match");
-        let url = inner.issue("p", What::PortForward).unwrap();
+        let url = inner.issue(own("p"), What::PortForward).unwrap();
         let token = url.rsplit('/').next().unwrap();
         assert!(inner.take("portforward", token).is_some());
         assert!(inner.take("portforward", token).is_none(), "second use");
         let waiting = inner.tokens.lock().unwrap().len();
         // Spread over pods, each within its share.
         for i in waiting..MAX_TOKENS {
-            inner.issue(&format!("p{i}"), What::PortForward).unwrap();
+            inner
+                .issue(own(&format!("p{i}")), What::PortForward)
+                .unwrap();
         }
-        match inner.issue("q", What::PortForward) {
+        match inner.issue(own("q"), What::PortForward) {
             Err(Error::Unavailable(m)) => assert!(m.contains("requests are waiting"), "{m}"),
             other => panic!("{other:?}"),
         }
@@ -651,9 +704,9 @@ mod tests {
     fn no_more_sessions_are_issued_than_run_at_once() {
         let inner = server_inner(TOKEN_TTL);
         inner.sessions.store(MAX_SESSIONS - 1, Ordering::SeqCst);
-        inner.issue("p", What::PortForward).unwrap();
+        inner.issue(own("p"), What::PortForward).unwrap();
         inner.sessions.store(MAX_SESSIONS, Ordering::SeqCst);
-        match inner.issue("p", What::PortForward) {
+        match inner.issue(own("p"), What::PortForward) {
             Err(Error::Unavailable(m)) => assert!(m.contains("1024 sessions are running"), "{m}"),
             other => panic!("{other:?}"),
         }
@@ -664,38 +717,106 @@ mod tests {
         let inner = Arc::new(server_inner(TOKEN_TTL));
         // Waiting tokens count: the pod's share fills with them, another pod's is untouched.
         for _ in 0..MAX_SESSIONS_PER_POD {
-            inner.issue("greedy", What::PortForward).unwrap();
+            inner.issue(own("greedy"), What::PortForward).unwrap();
         }
-        match inner.issue("greedy", What::PortForward) {
+        match inner.issue(own("greedy"), What::PortForward) {
             Err(Error::Unavailable(m)) => assert!(m.contains("pod greedy holds 256"), "{m}"),
             other => panic!("{other:?}"),
         }
-        inner.issue("other", What::PortForward).unwrap();
+        inner.issue(own("other"), What::PortForward).unwrap();
         // Running ones count too, and a refused place takes nothing node-wide.
         inner.tokens.lock().unwrap().clear();
         let places: Vec<Place> = (0..MAX_SESSIONS_PER_POD)
-            .map(|_| inner.place("greedy").expect("a place within the share"))
+            .map(|_| {
+                inner
+                    .place(&own("greedy"))
+                    .expect("a place within the share")
+            })
             .collect();
-        assert!(inner.place("greedy").is_none());
-        assert!(inner.issue("greedy", What::PortForward).is_err());
+        assert!(inner.place(&own("greedy")).is_none());
+        assert!(inner.issue(own("greedy"), What::PortForward).is_err());
         assert_eq!(inner.sessions.load(Ordering::SeqCst), MAX_SESSIONS_PER_POD);
-        let other = inner.place("other").expect("another pod's place");
+        let other = inner.place(&own("other")).expect("another pod's place");
         drop(places);
         drop(other);
         assert_eq!(inner.sessions.load(Ordering::SeqCst), 0);
-        assert!(inner.per_pod.lock().unwrap().is_empty());
-        inner.issue("greedy", What::PortForward).unwrap();
+        let held = inner.held.lock().unwrap();
+        assert!(
+            held.pods.is_empty() && held.namespaces.is_empty(),
+            "{held:?}"
+        );
+        drop(held);
+        inner.issue(own("greedy"), What::PortForward).unwrap();
+    }
+
+    #[test]
+    fn the_pods_of_one_namespace_hold_only_its_share_of_the_sessions() {
+        let inner = Arc::new(server_inner(TOKEN_TTL));
+        let pods = MAX_SESSIONS_PER_NAMESPACE / MAX_SESSIONS_PER_POD;
+        // Each pod within its own share, the namespace's filling with waiting tokens.
+        for p in 0..pods {
+            for _ in 0..MAX_SESSIONS_PER_POD {
+                inner
+                    .issue(in_namespace(&format!("p{p}"), "tenant"), What::PortForward)
+                    .unwrap();
+            }
+        }
+        match inner.issue(in_namespace("one-more", "tenant"), What::PortForward) {
+            Err(Error::Unavailable(m)) => {
+                assert!(m.contains("namespace \"tenant\" hold 512"), "{m}");
+                assert!(m.contains("pod one-more asked"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+        inner
+            .issue(in_namespace("p0", "elsewhere"), What::PortForward)
+            .expect_err("pod p0's own share is full, whatever namespace it names");
+        inner.issue(own("other"), What::PortForward).unwrap();
+        // Running ones count too: a namespace's places stop at its share, another's do not,
+        // and a refused place takes nothing node-wide.
+        inner.tokens.lock().unwrap().clear();
+        let places: Vec<Place> = (0..MAX_SESSIONS_PER_NAMESPACE)
+            .map(|i| {
+                let pod = format!("q{}", i % (pods + 1));
+                inner
+                    .place(&in_namespace(&pod, "tenant"))
+                    .expect("a place within the namespace's share")
+            })
+            .collect();
+        assert!(inner.place(&in_namespace("fresh", "tenant")).is_none());
+        assert!(inner
+            .issue(in_namespace("fresh", "tenant"), What::PortForward)
+            .is_err());
+        assert_eq!(
+            inner.sessions.load(Ordering::SeqCst),
+            MAX_SESSIONS_PER_NAMESPACE
+        );
+        let other = inner
+            .place(&own("other"))
+            .expect("another namespace's place");
+        drop(places);
+        drop(other);
+        assert_eq!(inner.sessions.load(Ordering::SeqCst), 0);
+        let held = inner.held.lock().unwrap();
+        assert!(
+            held.pods.is_empty() && held.namespaces.is_empty(),
+            "{held:?}"
+        );
+        drop(held);
+        inner
+            .issue(in_namespace("fresh", "tenant"), What::PortForward)
+            .unwrap();
     }
 
     #[test]
     fn expired_tokens_are_refused_and_make_room() {
         let inner = server_inner(Duration::ZERO);
-        let url = inner.issue("p", What::PortForward).unwrap();
+        let url = inner.issue(own("p"), What::PortForward).unwrap();
         assert!(inner
             .take("portforward", url.rsplit('/').next().unwrap())
             .is_none());
         for _ in 0..MAX_TOKENS + 5 {
-            inner.issue("p", What::PortForward).unwrap();
+            inner.issue(own("p"), What::PortForward).unwrap();
         }
     }
 
