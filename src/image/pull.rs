@@ -596,10 +596,13 @@ impl LayerJob {
         let growth = Arc::new(Growth::default());
         let download = {
             let growth = growth.clone();
+            // Says Failed to the reader on every way out but success, even when the download
+            // is stopped (`below_gone`) before it was ever polled: made here, not inside.
+            let outcome = GrowthGuard(growth.clone(), GrowthState::Failed);
             let (source, digest, size) = (&self.source, &self.digest, self.size);
             async move {
-                // Says Failed to the reader on every way out but success.
-                let mut outcome = GrowthGuard(growth.clone(), GrowthState::Failed);
+                // The whole guard moves in (a closure would capture only the field it sets).
+                let mut outcome = outcome;
                 let _permit = inner
                     .downloads
                     .acquire()
@@ -699,7 +702,8 @@ impl LayerJob {
             // once a slot frees up; no thread was started, so nothing is left running.
             let turn = tokio::select! {
                 biased;
-                // Never the pull's answer: the download's own error comes first below.
+                // Never the pull's answer: the download's own error, or the layer below's when
+                // it stopped the download, comes first below.
                 () = download_failed => Err(Error::Internal(format!(
                     "download of layer {} failed before its unpack began",
                     self.digest
@@ -790,11 +794,17 @@ impl LayerJob {
         // once both finished: the download's digest check, then the unpack's diff-id check.
         // A failed download explains a failed unpack (it read a cut or foreign stream).
         let (downloaded, unpacked) = tokio::join!(download, unpack);
-        let downloaded = downloaded?;
+        let Some(downloaded) = downloaded? else {
+            // Stopped because the layer below failed: that is the cause.
+            let below = match self.parent.clone() {
+                Some(p) => p.await.err().map(below_failed),
+                None => None,
+            };
+            return Err(below.unwrap_or_else(|| {
+                Error::Internal(format!("download of layer {} stopped", self.digest))
+            }));
+        };
         let (asked, started, unpacked) = unpacked?;
-        // Stopped only when the layer below failed, and then the unpack answered with that.
-        let downloaded = downloaded
-            .ok_or_else(|| Error::Internal(format!("download of layer {} stopped", self.digest)))?;
         let in_use = final_dir.exists() && inner.store.pinned()?.contains(&self.chain_id);
         if in_use {
             // A record-less snapshot a container still runs on (its record was adopted after

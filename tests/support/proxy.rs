@@ -455,7 +455,7 @@ async fn handle(
         let mut byte = [0u8; 1];
         let permit = tokio::select! {
             p = gate.acquire() => Some(p),
-            _ = s.read(&mut byte) => None,
+            Ok(0) | Err(_) = s.read(&mut byte) => None,
         };
         stats.held.fetch_sub(1, Ordering::SeqCst);
         match permit {
