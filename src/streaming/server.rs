@@ -333,12 +333,31 @@ impl Inner {
         Some(Place(self.clone(), owner.clone()))
     }
 
-    /// The request behind a token, once: a second use or an expired token finds nothing.
-    fn take(&self, kind: &str, token: &str) -> Option<Pending> {
+    /// The request behind a token, once (a second use or an expired token finds nothing),
+    /// and its session's place, taken in the same step: between the two the session would be
+    /// counted neither as waiting nor as running, and `issue` could let its owner past a share.
+    fn claim(self: &Arc<Self>, kind: &str, token: &str) -> Claim {
         let mut tokens = self.tokens.lock().unwrap_or_else(|e| e.into_inner());
-        let (at, pending) = tokens.remove(token)?;
-        (at.elapsed() < self.ttl && pending.kind() == kind).then_some(pending)
+        let Some((at, pending)) = tokens.remove(token) else {
+            return Claim::Unknown;
+        };
+        if at.elapsed() >= self.ttl || pending.kind() != kind {
+            return Claim::Unknown;
+        }
+        // `tokens`, then `held`: the order `issue` takes them in.
+        match self.place(&pending.owner) {
+            Some(place) => Claim::Granted(pending, place),
+            None => Claim::Full,
+        }
     }
+}
+
+/// What a token's use finds.
+enum Claim {
+    Unknown,
+    /// The node, the pod or its namespace holds as many sessions as it may.
+    Full,
+    Granted(Pending, Place),
 }
 
 fn tls_acceptor(cert: &Path, key: &Path) -> Result<tokio_rustls::TlsAcceptor> {
@@ -454,17 +473,20 @@ fn handle(inner: Arc<Inner>, mut req: Request<Incoming>) -> Response<Full<Bytes>
     let Some((kind, token)) = path.split_once('/') else {
         return plain(StatusCode::NOT_FOUND, "not found");
     };
-    let Some(pending) = inner.take(kind, token) else {
-        return plain(StatusCode::NOT_FOUND, "unknown or expired streaming token");
-    };
     // The session's place, taken now: tokens issued before the sessions filled up, upgraded
     // at once, must not take them past the bound. Given back when the session (or a failed
     // upgrade) ends, or when this request goes no further.
-    let Some(place) = inner.place(&pending.owner) else {
-        return plain(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the streaming server runs as many sessions as it serves at once, or as the pod or its namespace may hold",
-        );
+    let (pending, place) = match inner.claim(kind, token) {
+        Claim::Granted(pending, place) => (pending, place),
+        Claim::Unknown => {
+            return plain(StatusCode::NOT_FOUND, "unknown or expired streaming token");
+        }
+        Claim::Full => {
+            return plain(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the streaming server runs as many sessions as it serves at once, or as the pod or its namespace may hold",
+            );
+        }
     };
     let headers = req.headers();
     let upgrade = headers
@@ -675,18 +697,27 @@ mod tests {
 
     #[test]
     fn tokens_are_single_use_random_kind_bound_and_bounded() {
-        let inner = server_inner(TOKEN_TTL);
+        let inner = Arc::new(server_inner(TOKEN_TTL));
         let url = inner.issue(own("p"), What::PortForward).unwrap();
         let token = url.rsplit('/').next().unwrap().to_string();
         // 24 random bytes, base64url: 192 bits.
         assert_eq!(token.len(), 32);
         let other = inner.issue(own("p"), What::PortForward).unwrap();
         assert_ne!(url, other);
-        assert!(inner.take("exec", &token).is_none(), "kind must match");
+        assert!(
+            matches!(inner.claim("exec", &token), Claim::Unknown),
+            "kind must match"
+        );
         let url = inner.issue(own("p"), What::PortForward).unwrap();
         let token = url.rsplit('/').next().unwrap();
-        assert!(inner.take("portforward", token).is_some());
-        assert!(inner.take("portforward", token).is_none(), "second use");
+        assert!(matches!(
+            inner.claim("portforward", token),
+            Claim::Granted(..)
+        ));
+        assert!(
+            matches!(inner.claim("portforward", token), Claim::Unknown),
+            "second use"
+        );
         let waiting = inner.tokens.lock().unwrap().len();
         // Spread over pods, each within its share.
         for i in waiting..MAX_TOKENS {
@@ -809,12 +840,30 @@ mod tests {
     }
 
     #[test]
-    fn expired_tokens_are_refused_and_make_room() {
-        let inner = server_inner(Duration::ZERO);
+    fn a_token_used_when_its_pods_share_is_full_gets_no_place() {
+        let inner = Arc::new(server_inner(TOKEN_TTL));
         let url = inner.issue(own("p"), What::PortForward).unwrap();
-        assert!(inner
-            .take("portforward", url.rsplit('/').next().unwrap())
-            .is_none());
+        let places: Vec<Place> = (0..MAX_SESSIONS_PER_POD)
+            .map(|_| inner.place(&own("p")).unwrap())
+            .collect();
+        let token = url.rsplit('/').next().unwrap();
+        assert!(matches!(inner.claim("portforward", token), Claim::Full));
+        assert_eq!(inner.sessions.load(Ordering::SeqCst), MAX_SESSIONS_PER_POD);
+        drop(places);
+        assert!(
+            matches!(inner.claim("portforward", token), Claim::Unknown),
+            "a refused token is spent"
+        );
+    }
+
+    #[test]
+    fn expired_tokens_are_refused_and_make_room() {
+        let inner = Arc::new(server_inner(Duration::ZERO));
+        let url = inner.issue(own("p"), What::PortForward).unwrap();
+        assert!(matches!(
+            inner.claim("portforward", url.rsplit('/').next().unwrap()),
+            Claim::Unknown
+        ));
         for _ in 0..MAX_TOKENS + 5 {
             inner.issue(own("p"), What::PortForward).unwrap();
         }
