@@ -80,9 +80,8 @@ where
 }
 
 impl Runtime {
-    /// Exec and Attach need the container running (kubelet's server checks the same).
-    /// The container's pod's id, once the container is known to run.
-    /// Container `id` if it runs: whom its streaming sessions are counted to.
+    /// Exec and Attach need the container running (kubelet's server checks the same): whom
+    /// container `id`'s streaming sessions are counted to, once it is known to run.
     async fn running(&self, rpc: &str, id: &str) -> Result<crate::streaming::Owner, Status> {
         let v = self
             .daemon
