@@ -770,14 +770,18 @@ mod tests {
         let other = inner.place(&own("other")).expect("another pod's place");
         drop(places);
         drop(other);
+        assert_all_given_back(&inner);
+        inner.issue(own("greedy"), What::PortForward).unwrap();
+    }
+
+    /// No session counted and no pod or namespace left holding a place.
+    fn assert_all_given_back(inner: &Inner) {
         assert_eq!(inner.sessions.load(Ordering::SeqCst), 0);
         let held = inner.held.lock().unwrap();
         assert!(
             held.pods.is_empty() && held.namespaces.is_empty(),
             "{held:?}"
         );
-        drop(held);
-        inner.issue(own("greedy"), What::PortForward).unwrap();
     }
 
     #[test]
@@ -827,13 +831,7 @@ mod tests {
             .expect("another namespace's place");
         drop(places);
         drop(other);
-        assert_eq!(inner.sessions.load(Ordering::SeqCst), 0);
-        let held = inner.held.lock().unwrap();
-        assert!(
-            held.pods.is_empty() && held.namespaces.is_empty(),
-            "{held:?}"
-        );
-        drop(held);
+        assert_all_given_back(&inner);
         inner
             .issue(in_namespace("fresh", "tenant"), What::PortForward)
             .unwrap();
