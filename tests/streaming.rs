@@ -1198,10 +1198,13 @@ fn proc_status(pid: i32, field: &str) -> u64 {
 
 /// The real daemon: the streaming sessions of one namespace's pods stop at the namespace's
 /// share (two pods' full shares here), the refusal naming the namespace and the pod; a pod of
-/// another namespace still gets its session.
+/// another namespace still gets its session. That namespace, filling what is left but the
+/// node's reserve, is refused then, and a third namespace still gets its first session.
 #[tokio::test(flavor = "multi_thread")]
 async fn one_namespace_holds_only_its_share_of_the_streaming_sessions() {
-    use hako::streaming::{MAX_SESSIONS_PER_NAMESPACE, MAX_SESSIONS_PER_POD};
+    use hako::streaming::{
+        MAX_SESSIONS_PER_NAMESPACE, MAX_SESSIONS_PER_POD, MAX_TOKENS, RESERVED_FOR_NEW_NAMESPACES,
+    };
     use hako_proto::cri;
     if !support::e2e_ready(&[]) {
         return;
@@ -1215,6 +1218,8 @@ async fn one_namespace_holds_only_its_share_of_the_streaming_sessions() {
         ("t1", "tenant"),
         ("t2", "tenant"),
         ("o0", "other"),
+        ("o1", "other"),
+        ("n0", "newcomer"),
     ] {
         let mut cfg = support::cri::with_namespaces(
             support::cri::pod_config(name, logs.path()),
@@ -1253,6 +1258,27 @@ async fn one_namespace_holds_only_its_share_of_the_streaming_sessions() {
     forward(&mut rt, &pods[3])
         .await
         .expect("a pod of another namespace");
+    // The other namespace takes what is left but the reserve, over its two pods. Every token
+    // issued here waits for its client for TOKEN_TTL (60 s); these few hundred calls take a
+    // fraction of that, so none expires and the counts hold.
+    let left = MAX_TOKENS - RESERVED_FOR_NEW_NAMESPACES - MAX_SESSIONS_PER_NAMESPACE;
+    for i in 1..left {
+        forward(&mut rt, &pods[3 + i / MAX_SESSIONS_PER_POD])
+            .await
+            .unwrap_or_else(|e| panic!("session {i} of namespace other: {e:?}"));
+    }
+    let err = forward(&mut rt, &pods[4])
+        .await
+        .expect_err("a namespace holding sessions, at the node's reserve");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{err:?}");
+    assert!(
+        err.message()
+            .contains("are kept for namespaces holding none, and the pods of namespace \"other\""),
+        "{err:?}"
+    );
+    forward(&mut rt, &pods[5])
+        .await
+        .expect("a namespace holding none, from the reserve");
 }
 
 /// The real daemon: a client that pushes 200 MiB into port-forward streams the daemon cannot

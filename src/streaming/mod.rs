@@ -15,7 +15,8 @@ pub mod ws;
 pub use conn::BUDGET;
 pub use remote::{MAX_FORWARDS, STREAM_CREATION_TIMEOUT};
 pub use server::{
-    NoBackend, Owner, Streaming, MAX_SESSIONS_PER_NAMESPACE, MAX_SESSIONS_PER_POD, TOKEN_TTL,
+    NoBackend, Owner, Streaming, MAX_SESSIONS_PER_NAMESPACE, MAX_SESSIONS_PER_POD, MAX_TOKENS,
+    RESERVED_FOR_NEW_NAMESPACES, TOKEN_TTL,
 };
 
 use std::future::Future;

@@ -38,6 +38,11 @@ pub const MAX_SESSIONS_PER_POD: usize = 256;
 /// Sessions the pods of one namespace may hold together: half the node's, so the users of one
 /// namespace, however many pods they run, leave the other half to the rest of the node.
 pub const MAX_SESSIONS_PER_NAMESPACE: usize = 512;
+/// The node's last sessions, and its last waiting tokens, go only to namespaces holding none:
+/// two or three namespaces together could otherwise fill the node, each within its share, and
+/// leave every other namespace none. With this, each namespace's first session finds a place
+/// unless this many other namespaces took one of the reserve first.
+pub const RESERVED_FOR_NEW_NAMESPACES: usize = 128;
 /// A client has this long to send its request headers.
 const HEADER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -309,6 +314,17 @@ impl Inner {
                 owner.namespace, owner.pod
             )));
         }
+        if ns_held > 0
+            && (running >= MAX_SESSIONS - RESERVED_FOR_NEW_NAMESPACES
+                || tokens.len() >= MAX_TOKENS - RESERVED_FOR_NEW_NAMESPACES)
+        {
+            return Err(Error::Unavailable(format!(
+                "streaming server: {running} sessions are running and {} waiting for their client; the node's last {RESERVED_FOR_NEW_NAMESPACES} of each are kept for namespaces holding none, and the pods of namespace {:?} hold {ns_held}; pod {} asked",
+                tokens.len(),
+                owner.namespace,
+                owner.pod
+            )));
+        }
         tokens.insert(token.clone(), (now, pending));
         Ok(format!("{}/{kind}/{token}", self.base_url))
     }
@@ -323,9 +339,15 @@ impl Inner {
         if pod_held >= MAX_SESSIONS_PER_POD || ns_held >= MAX_SESSIONS_PER_NAMESPACE {
             return None;
         }
+        // A namespace already running a session stays out of the reserve.
+        let most = if ns_held > 0 {
+            MAX_SESSIONS - RESERVED_FOR_NEW_NAMESPACES
+        } else {
+            MAX_SESSIONS
+        };
         self.sessions
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < MAX_SESSIONS).then_some(n + 1)
+                (n < most).then_some(n + 1)
             })
             .ok()?;
         *held.pods.entry(owner.pod.clone()).or_insert(0) += 1;
@@ -772,6 +794,63 @@ mod tests {
         drop(other);
         assert_all_given_back(&inner);
         inner.issue(own("greedy"), What::PortForward).unwrap();
+    }
+
+    #[test]
+    fn the_nodes_last_places_are_kept_for_namespaces_holding_none() {
+        let inner = Arc::new(server_inner(TOKEN_TTL));
+        // Within each pod's share: the `i`th session of a namespace goes to pod `i / 256`.
+        let owner =
+            |ns: &str, i: usize| in_namespace(&format!("{ns}-{}", i / MAX_SESSIONS_PER_POD), ns);
+        // Waiting tokens: two namespaces fill all but the reserve.
+        let issued = |ns: &str| {
+            (0..)
+                .take_while(|&i| inner.issue(owner(ns, i), What::PortForward).is_ok())
+                .count()
+        };
+        assert_eq!(issued("a"), MAX_SESSIONS_PER_NAMESPACE);
+        let b = MAX_TOKENS - RESERVED_FOR_NEW_NAMESPACES - MAX_SESSIONS_PER_NAMESPACE;
+        assert_eq!(issued("b"), b);
+        match inner.issue(owner("b", b), What::PortForward) {
+            Err(Error::Unavailable(m)) => assert!(
+                m.contains("last 128 of each are kept for namespaces holding none")
+                    && m.contains("namespace \"b\" hold 360"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // Each newcomer gets its first one, no more.
+        assert_eq!(issued("c"), 1);
+        assert_eq!(issued("d"), 1);
+        // Running sessions: the same, with the node's bound.
+        inner.tokens.lock().unwrap().clear();
+        let mut places = Vec::new();
+        let mut placed = |ns: &str| {
+            let before = places.len();
+            while let Some(p) = inner.place(&owner(ns, places.len() - before)) {
+                places.push(p);
+            }
+            places.len() - before
+        };
+        assert_eq!(placed("a"), MAX_SESSIONS_PER_NAMESPACE);
+        assert_eq!(
+            placed("b"),
+            MAX_SESSIONS - RESERVED_FOR_NEW_NAMESPACES - MAX_SESSIONS_PER_NAMESPACE
+        );
+        assert_eq!(placed("c"), 1);
+        assert_eq!(placed("d"), 1);
+        // And no token for a namespace running sessions, with the node in its reserve.
+        match inner.issue(owner("b", 383), What::PortForward) {
+            Err(Error::Unavailable(m)) => assert!(
+                m.contains("898 sessions are running and 0 waiting")
+                    && m.contains("namespace \"b\" hold 384"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        inner.issue(owner("e", 0), What::PortForward).unwrap();
+        drop(places);
+        assert_all_given_back(&inner);
     }
 
     /// No session counted and no pod or namespace left holding a place.
