@@ -91,10 +91,19 @@ async fn refused(h: &Hako, image: &str, names: &[&str]) -> String {
     refused_then(h, image, names, || {}).await
 }
 
-/// `refused`, with `first` checked right after the pull (and the RSS bound), before the error.
+/// `refused`, with `first` checked right after the pull, before the error.
 async fn refused_then(h: &Hako, image: &str, names: &[&str], first: impl FnOnce()) -> String {
     let before = vm_hwm(h);
     let err = pull(h, image).await.unwrap_err();
+    first();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    let msg = err.message().to_string();
+    assert!(msg.contains(image), "names the image {image}: {msg}");
+    for n in names {
+        assert!(msg.contains(n), "names {n:?}: {msg}");
+    }
+    assert_clean(h).await;
+    // The peak after the clean-up, so layers still running when the pull answered count too.
     let after = vm_hwm(h);
     eprintln!(
         "{image}: daemon peak RSS {} KiB before, {} KiB after",
@@ -107,14 +116,6 @@ async fn refused_then(h: &Hako, image: &str, names: &[&str], first: impl FnOnce(
         (after - before) >> 20,
         before >> 20
     );
-    first();
-    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
-    let msg = err.message().to_string();
-    assert!(msg.contains(image), "names the image {image}: {msg}");
-    for n in names {
-        assert!(msg.contains(n), "names {n:?}: {msg}");
-    }
-    assert_clean(h).await;
     msg
 }
 
@@ -125,8 +126,11 @@ async fn warm_up(h: &Hako, addr: &str) {
     assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
 }
 
-/// Nothing listed, nothing half-written, nothing outside the store, no panic.
+/// Nothing listed, nothing half-written, nothing outside the store, no panic (once the failed
+/// pull's layers still running have ended).
 async fn assert_clean(h: &Hako) {
+    let store_dirs = ["ingest", "snapshots", "content/sha256"];
+    h.settle_store(&store_dirs).await;
     let mut c = h.images().await;
     let listed = c
         .list_images(cri::ListImagesRequest::default())
@@ -135,7 +139,7 @@ async fn assert_clean(h: &Hako) {
         .into_inner()
         .images;
     assert!(listed.is_empty(), "{listed:?}");
-    for d in ["ingest", "snapshots", "content/sha256"] {
+    for d in store_dirs {
         let left = Hako::files_under(&h.root.join(d));
         assert!(left.is_empty(), "{d} left: {left:?}");
     }

@@ -102,11 +102,11 @@ async fn behind_proxy(
     (reg, proxy, img, top)
 }
 
+/// A PullImage call under way.
+type Pull = tokio::task::JoinHandle<Result<tonic::Response<cri::PullImageResponse>, tonic::Status>>;
+
 /// A pull running in the background, on its own connection.
-async fn spawn_pull(
-    h: &Hako,
-    name: String,
-) -> tokio::task::JoinHandle<Result<tonic::Response<cri::PullImageResponse>, tonic::Status>> {
+async fn spawn_pull(h: &Hako, name: String) -> Pull {
     let ch = h.channel().await;
     tokio::spawn(async move {
         let mut c = hako_proto::cri::image_service_client::ImageServiceClient::new(ch);
@@ -945,10 +945,7 @@ async fn unpacks_are_bounded_across_pulls() {
     let proxy = Proxy::start(
         &reg.addr,
         Behaviour {
-            split_blobs: imgs
-                .iter()
-                .map(|(_, l, _)| (l.digest.clone(), 512 << 10))
-                .collect(),
+            split_blobs: split_at_512k(&imgs),
             ..Default::default()
         },
     )
@@ -971,18 +968,30 @@ async fn unpacks_are_bounded_across_pulls() {
     );
     proxy.release(2);
     for (p, (img, _, noise)) in pulls.into_iter().zip(&imgs) {
-        let id = tokio::time::timeout(Duration::from_secs(60), p)
-            .await
-            .expect("the pull ended")
-            .unwrap()
-            .unwrap_or_else(|e| panic!("pull: {e}\n{}", h.log_text()))
-            .into_inner()
-            .image_ref;
-        assert_eq!(id, img.id());
-        let info = verbose_info(&h, &id).await;
-        let fs = info["snapshots"][0].as_str().unwrap();
-        assert_eq!(&std::fs::read(format!("{fs}/noise")).unwrap(), noise);
+        expect_pulled(&h, p, img, noise).await;
     }
+}
+
+/// Every image's layer sent 512 KiB at a time by the proxy, each part waiting for the test.
+fn split_at_512k(imgs: &[(Image, Layer, Vec<u8>)]) -> Vec<(String, usize)> {
+    imgs.iter()
+        .map(|(_, l, _)| (l.digest.clone(), 512 << 10))
+        .collect()
+}
+
+/// The pull answers within a minute with `img`, whose rootfs holds `noise` as `/noise`.
+async fn expect_pulled(h: &Hako, pull: Pull, img: &Image, noise: &[u8]) {
+    let id = tokio::time::timeout(Duration::from_secs(60), pull)
+        .await
+        .expect("the pull ended")
+        .unwrap()
+        .unwrap_or_else(|e| panic!("pull: {e}\n{}", h.log_text()))
+        .into_inner()
+        .image_ref;
+    assert_eq!(id, img.id());
+    let info = verbose_info(h, &id).await;
+    let fs = info["snapshots"][0].as_str().unwrap();
+    assert_eq!(std::fs::read(format!("{fs}/noise")).unwrap(), noise);
 }
 
 /// Pushes one single-layer image of 2 MiB of noise per seed, as `<repo>/img<i>:1`.
@@ -1017,10 +1026,7 @@ async fn unpack_slots_wait_for_a_download_under_way() {
     let proxy = Proxy::start(
         &reg.addr,
         Behaviour {
-            split_blobs: imgs
-                .iter()
-                .map(|(_, l, _)| (l.digest.clone(), 512 << 10))
-                .collect(),
+            split_blobs: split_at_512k(&imgs),
             ..Default::default()
         },
     )
@@ -1048,22 +1054,13 @@ async fn unpack_slots_wait_for_a_download_under_way() {
     );
     proxy.open();
     for (p, (img, _, noise)) in [first, second].into_iter().zip(&imgs) {
-        let id = tokio::time::timeout(Duration::from_secs(60), p)
-            .await
-            .expect("the pull ended")
-            .unwrap()
-            .unwrap_or_else(|e| panic!("pull: {e}\n{}", h.log_text()))
-            .into_inner()
-            .image_ref;
-        assert_eq!(id, img.id());
-        let info = verbose_info(&h, &id).await;
-        let fs = info["snapshots"][0].as_str().unwrap();
-        assert_eq!(&std::fs::read(format!("{fs}/noise")).unwrap(), noise);
+        expect_pulled(&h, p, img, noise).await;
     }
 }
 
 /// A download that fails while its unpack waits for a slot answers its pull at once, not when
-/// another pull gives the slot back.
+/// another pull gives the slot back; so does one whose layer below waits for the slot (that
+/// layer ends later, and the failed pull's cleanup then removes it).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failed_download_answers_while_its_unpack_waits_for_a_slot() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
@@ -1071,14 +1068,21 @@ async fn a_failed_download_answers_while_its_unpack_waits_for_a_slot() {
     }
     let reg = Registry::start();
     let imgs = push_noise_images(&reg, "fails", &[0x5353, 0x6464]).await;
-    // Not yet guarded: an image whose failed layer is above one waiting for the slot. Its
-    // pull answers once that layer ends, since a failed pull's cleanup must see every layer
-    // it finished.
+    let bad = &imgs[1].1;
+    let below = Layer::new(
+        &oci::marker_tar("below", &oci::noise(0x7575, 1 << 20)),
+        Compression::Gzip,
+        false,
+    );
+    let stack = Image::new(vec![below, bad.clone()], &ImageConf::default(), false);
+    Pusher::new(&reg.addr)
+        .push("fails/stack", "1", &stack)
+        .await;
     let proxy = Proxy::start(
         &reg.addr,
         Behaviour {
             split_blobs: vec![(imgs[0].1.digest.clone(), 512 << 10)],
-            long_blobs: vec![(imgs[1].1.digest.clone(), 1 << 20)],
+            long_blobs: vec![(bad.digest.clone(), 1 << 20)],
             ..Default::default()
         },
     )
@@ -1090,44 +1094,42 @@ async fn a_failed_download_answers_while_its_unpack_waits_for_a_slot() {
         || proxy.held() == 1 && unpack_threads(&h) == 1,
     )
     .await;
-    let pull = spawn_pull(&h, format!("{}/fails/img1:1", proxy.addr)).await;
-    let err = tokio::time::timeout(Duration::from_secs(30), pull)
-        .await
-        .unwrap_or_else(|_| {
-            panic!(
-                "the failed pull did not answer while the slot was held\n{}",
-                h.log_text()
-            )
-        })
-        .unwrap()
-        .expect_err("a layer longer than its descriptor");
-    assert_eq!(proxy.held(), 1, "the slot holder is still held");
-    let layer = &imgs[1].1.digest;
-    assert!(
-        err.message().contains(&format!("layer {layer}"))
-            && err.message().contains("its descriptor says"),
-        "{err:?}"
-    );
+    for image in ["fails/img1:1", "fails/stack:1"] {
+        let pull = spawn_pull(&h, format!("{}/{image}", proxy.addr)).await;
+        let err = tokio::time::timeout(Duration::from_secs(30), pull)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "the failed pull of {image} did not answer while the slot was held\n{}",
+                    h.log_text()
+                )
+            })
+            .unwrap()
+            .expect_err("a layer longer than its descriptor");
+        assert_eq!(proxy.held(), 1, "the slot holder is still held");
+        assert!(
+            err.message().contains(&format!("layer {}", bad.digest))
+                && err.message().contains("its descriptor says"),
+            "{image}: {err:?}"
+        );
+    }
     proxy.open();
-    let id = tokio::time::timeout(Duration::from_secs(60), holder)
-        .await
-        .expect("the pull ended")
-        .unwrap()
-        .unwrap_or_else(|e| panic!("pull: {e}\n{}", h.log_text()))
-        .into_inner()
-        .image_ref;
-    assert_eq!(id, imgs[0].0.id());
-    // Nothing of the failed pull is left in the ingest or among the snapshots.
-    wait_until("no ingest file left", || {
-        std::fs::read_dir(h.root.join("ingest")).map_or(0, |d| d.count()) == 0
+    expect_pulled(&h, holder, &imgs[0].0, &imgs[0].2).await;
+    // Nothing of the failed pulls is left: no ingest file, no unpack dir, and no snapshot but
+    // the holder's (the stack's layer below ended after its pull had answered).
+    let snapshots = || -> Vec<String> {
+        std::fs::read_dir(h.root.join("snapshots"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+    wait_until("the failed pulls' layers removed", || {
+        Hako::files_under(&h.root.join("ingest")).is_empty() && snapshots().len() == 1
     })
     .await;
-    let tmp: Vec<_> = std::fs::read_dir(h.root.join("snapshots"))
-        .unwrap()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("tmp-"))
-        .collect();
-    assert!(tmp.is_empty(), "{tmp:?}");
+    let left = snapshots();
+    assert!(!left[0].starts_with("tmp-"), "{left:?}");
 }
 
 /// A layer whose layer below failed before its unpack began stops its download: nothing will
@@ -1280,6 +1282,7 @@ async fn malicious_layer_is_rejected_and_cleaned_up() {
             landing.display()
         );
         assert!(list(&h).await.is_empty());
+        h.settle_store(&["snapshots", "ingest"]).await;
         assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
         assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
     }

@@ -253,7 +253,12 @@ struct Lease {
 }
 
 impl Lease {
-    fn add(&self, items: impl IntoIterator<Item = String>) {
+    /// Holds `items` from now on. Waits for a collection under way: it chose what to keep
+    /// before this lease named them, and would remove a layer or a content file the pull finds
+    /// in place meanwhile (a failed pull's collection runs after its answer, as its retry
+    /// leases the same layers).
+    async fn add(&self, items: impl IntoIterator<Item = String>) {
+        let _collecting = self.inner.gc_lock.lock().await;
         let mut leases = self.inner.leases.lock().expect("leases poisoned");
         leases.entry(self.id).or_default().extend(items);
     }

@@ -23,6 +23,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures::future::{BoxFuture, FutureExt, Shared};
+use futures::stream::{FuturesUnordered, StreamExt};
 use oci_spec::image::{ImageConfiguration, ImageIndex, ImageManifest};
 use sha2::{Digest, Sha256};
 use tokio::io::AsyncWrite;
@@ -215,17 +216,32 @@ impl Images {
         let name = Name::parse(image)?;
         let started = Instant::now();
         let lease = self.lease();
-        let result = self.pull_inner(&name, creds, &lease).await;
-        drop(lease);
+        let mut running = FuturesUnordered::new();
+        let result = self.pull_inner(&name, creds, &lease, &mut running).await;
         match &result {
             Ok(id) => {
+                drop(lease);
                 tracing::info!(image = %name.canonical(), id = %id, elapsed_ms = started.elapsed().as_millis() as u64, "pulled image")
             }
             Err(e) => {
                 tracing::warn!(image = %name.canonical(), error = %chain(e), "pull failed");
                 // Layers this pull finished but no image references go now, not at next start.
-                if let Err(gc) = self.gc().await {
-                    tracing::warn!(error = %chain(&gc), "gc after failed pull");
+                // Layers still running (one may wait for an unpack slot another pull holds)
+                // are not waited for: the pull answers, and its lease keeps what they write
+                // until they end and the cleanup sees it.
+                let images = self.clone();
+                let waits = !running.is_empty();
+                let cleanup = async move {
+                    while running.next().await.is_some() {}
+                    drop(lease);
+                    if let Err(gc) = images.gc().await {
+                        tracing::warn!(error = %chain(&gc), "gc after failed pull");
+                    }
+                };
+                if waits {
+                    tokio::spawn(cleanup);
+                } else {
+                    cleanup.await;
                 }
             }
         }
@@ -237,6 +253,7 @@ impl Images {
         name: &Name,
         creds: &Credentials,
         lease: &super::Lease,
+        running: &mut FuturesUnordered<LayerFuture>,
     ) -> Result<String> {
         let endpoints = hosts::endpoints(&self.inner.hosts_dir, &name.registry)?;
         let resolved = self.resolve(name, &endpoints, creds).await?;
@@ -257,7 +274,9 @@ impl Images {
                 l.digest().as_ref(),
             )?;
         }
-        lease.add([config_digest.clone(), resolved.manifest_digest.clone()]);
+        lease
+            .add([config_digest.clone(), resolved.manifest_digest.clone()])
+            .await;
         let config_bytes = {
             let progress = Progress::new();
             until_stalled(
@@ -295,11 +314,10 @@ impl Images {
             }
         }
         let chains = chain_ids(&diff_ids);
-        lease.add(chains.iter().cloned());
+        lease.add(chains.iter().cloned()).await;
 
         let mut placed: Vec<LayerFuture> = Vec::with_capacity(layers.len());
         let mut started: Option<LayerFuture> = None;
-        let mut futs = Vec::with_capacity(layers.len());
         for (i, l) in layers.iter().enumerate() {
             let job = LayerJob {
                 images: self.clone(),
@@ -318,12 +336,11 @@ impl Images {
             let task = self.layer(job);
             placed.push(task.placed);
             started = Some(task.started);
-            futs.push(task.done);
+            running.push(task.done);
         }
-        // Every layer task ends before the pull answers, even after one failed: the cleanup
-        // of a failed pull (`pull`) must see the layers it finished. A failed layer stops the
-        // downloads above it (`below_gone`), so they end soon.
-        for r in futures::future::join_all(futs).await {
+        // The first failed layer answers the pull; the others, left in `running`, end
+        // without it (the downloads above a failed layer stop: `below_gone`).
+        while let Some(r) = running.next().await {
             r.map_err(|e| duplicate(&e))?;
         }
 

@@ -261,6 +261,20 @@ impl Hako {
         out.sort();
         out
     }
+
+    /// Waits up to 30 s for `dirs` (under the root) to hold nothing, and returns either way:
+    /// the caller asserts, naming what is left. A failed pull answers at its first failed
+    /// layer; its layers still running are removed once they end.
+    pub async fn settle_store(&self, dirs: &[&str]) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::time::Instant::now() < deadline
+            && dirs
+                .iter()
+                .any(|d| !Self::files_under(&self.root.join(d)).is_empty())
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
 }
 
 impl Drop for Hako {
