@@ -16,6 +16,7 @@ pub mod registry;
 pub mod unpack;
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -242,8 +243,41 @@ struct Inner {
     downloads: tokio::sync::Semaphore,
     /// Layer unpacks running on the node (`image.max_node_unpacks`).
     unpacks: Arc<tokio::sync::Semaphore>,
-    /// One collection at a time.
-    gc_lock: tokio::sync::Mutex<()>,
+    /// Collections, one at a time, requests made while one waits answered together.
+    gc: Coalesced,
+}
+
+/// Runs one job at a time, and a request made while others wait is answered by the next run
+/// to start: for GC, a collection's choice of what to keep follows every request made before
+/// it started, so those need no run of their own (failed pulls sharing a layer ask together
+/// when it ends).
+#[derive(Default)]
+struct Coalesced {
+    /// Requests so far, numbered from 1.
+    asked: AtomicU64,
+    /// Held while a job runs: the number of the last request a finished run answered.
+    answered: tokio::sync::Mutex<u64>,
+}
+
+impl Coalesced {
+    /// Runs `job`, unless a run that started after this call finishes first; false then.
+    async fn run<F: Future<Output = Result<()>>>(&self, job: impl FnOnce() -> F) -> Result<bool> {
+        let asked = self.asked.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut answered = self.answered.lock().await;
+        if *answered >= asked {
+            return Ok(false);
+        }
+        let answers = self.asked.load(Ordering::SeqCst);
+        job().await?;
+        tracing::debug!(requests = answers - *answered, "collected garbage");
+        *answered = answers;
+        Ok(true)
+    }
+
+    /// Waits for a run under way, and keeps the next from starting while held.
+    async fn exclusive(&self) -> tokio::sync::MutexGuard<'_, u64> {
+        self.answered.lock().await
+    }
 }
 
 /// Holds names against GC until dropped.
@@ -258,7 +292,7 @@ impl Lease {
     /// in place meanwhile (a failed pull's collection runs after its answer, as its retry
     /// leases the same layers).
     async fn add(&self, items: impl IntoIterator<Item = String>) {
-        let _collecting = self.inner.gc_lock.lock().await;
+        let _collecting = self.inner.gc.exclusive().await;
         let mut leases = self.inner.leases.lock().expect("leases poisoned");
         leases.entry(self.id).or_default().extend(items);
     }
@@ -351,7 +385,7 @@ impl Images {
                 inflight: Mutex::new(HashMap::new()),
                 leases: Mutex::new(HashMap::new()),
                 next_lease: AtomicU64::new(1),
-                gc_lock: tokio::sync::Mutex::new(()),
+                gc: Coalesced::default(),
             }),
         };
         images.remove_stale_unpacks()?;
@@ -562,9 +596,14 @@ impl Images {
         self.gc().await
     }
 
-    /// Removes snapshots and content that no image and no pull in progress references.
+    /// Removes snapshots and content that no image and no pull in progress references (or
+    /// leaves that to a collection that starts after this call, `Coalesced`).
     pub async fn gc(&self) -> Result<()> {
-        let _g = self.inner.gc_lock.lock().await;
+        self.inner.gc.run(|| self.collect()).await.map(drop)
+    }
+
+    /// One collection, run by `gc` alone.
+    async fn collect(&self) -> Result<()> {
         let mut keep: HashSet<String> = HashSet::new();
         for img in self.inner.store.images()? {
             keep.insert(img.id.clone());
@@ -642,6 +681,81 @@ impl Images {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn requests_made_while_a_run_is_under_way_share_the_next_run() {
+        let c = Arc::new(Coalesced::default());
+        let runs = Arc::new(AtomicU64::new(0));
+        let job = |runs: Arc<AtomicU64>, hold: Option<tokio::sync::oneshot::Receiver<()>>| {
+            move || async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                if let Some(hold) = hold {
+                    hold.await.unwrap();
+                }
+                Ok(())
+            }
+        };
+        let (go, hold) = tokio::sync::oneshot::channel();
+        let first = tokio::spawn({
+            let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
+            async move { c.run(job).await.unwrap() }
+        });
+        while runs.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        let waiting: Vec<_> = (0..4)
+            .map(|_| {
+                let (c, job) = (c.clone(), job(runs.clone(), None));
+                tokio::spawn(async move { c.run(job).await.unwrap() })
+            })
+            .collect();
+        while c.asked.load(Ordering::SeqCst) < 5 {
+            tokio::task::yield_now().await;
+        }
+        go.send(()).unwrap();
+        assert!(first.await.unwrap());
+        let mut ran = 0;
+        for w in waiting {
+            ran += usize::from(w.await.unwrap());
+        }
+        assert_eq!(
+            ran, 1,
+            "one run answers the four requests made during the first"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 2);
+        // A failed run answers nothing: of two requests made while another run held the
+        // lock, the first runs and fails (the lock is fair), and the second still runs.
+        let (go, hold) = tokio::sync::oneshot::channel();
+        let holder = tokio::spawn({
+            let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
+            async move { c.run(job).await.unwrap() }
+        });
+        while c.asked.load(Ordering::SeqCst) < 6 {
+            tokio::task::yield_now().await;
+        }
+        let failing = tokio::spawn({
+            let c = c.clone();
+            async move {
+                c.run(|| async { Err(Error::Internal("collection failed".into())) })
+                    .await
+            }
+        });
+        while c.asked.load(Ordering::SeqCst) < 7 {
+            tokio::task::yield_now().await;
+        }
+        let after = tokio::spawn({
+            let (c, job) = (c.clone(), job(runs.clone(), None));
+            async move { c.run(job).await.unwrap() }
+        });
+        while c.asked.load(Ordering::SeqCst) < 8 {
+            tokio::task::yield_now().await;
+        }
+        go.send(()).unwrap();
+        assert!(holder.await.unwrap());
+        assert!(failing.await.unwrap().is_err());
+        assert!(after.await.unwrap(), "the request after the failed run ran");
+        assert_eq!(runs.load(Ordering::SeqCst), 4);
+    }
 
     /// An image config with `config` as its config section (`None`: no section at all).
     fn config_doc(config: Option<serde_json::Value>) -> Vec<u8> {
