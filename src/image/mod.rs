@@ -247,8 +247,8 @@ struct Inner {
     gc: Coalesced,
 }
 
-/// Runs one job at a time, and a request made while others wait is answered by the next run
-/// to start: for GC, a collection's choice of what to keep follows every request made before
+/// Runs one job at a time, and a request is answered by the first run to start after it
+/// (which may be its own): for GC, a collection's choice of what to keep follows every request made before
 /// it started, so those need no run of their own (failed pulls sharing a layer ask together
 /// when it ends).
 #[derive(Default)]
@@ -599,7 +599,14 @@ impl Images {
     /// Removes snapshots and content that no image and no pull in progress references (or
     /// leaves that to a collection that starts after this call, `Coalesced`).
     pub async fn gc(&self) -> Result<()> {
-        self.inner.gc.run(|| self.collect()).await.map(drop)
+        // In a task of its own: a caller that goes away (a cancelled RPC) would otherwise
+        // give the lock back while the sweep it started still runs on the blocking pool,
+        // and a pull could then lease and find in place a layer that sweep removes.
+        let images = self.clone();
+        tokio::spawn(async move { images.inner.gc.run(|| images.collect()).await })
+            .await
+            .map_err(|e| Error::Internal(format!("gc task: {e}")))?
+            .map(drop)
     }
 
     /// One collection, run by `gc` alone.
