@@ -596,6 +596,28 @@ impl Images {
         self.gc().await
     }
 
+    /// Pins `chain_ids` for `owner` (a container being created), once each of `images` is
+    /// still recorded. Under the collection lock, as a lease is taken: a collection that
+    /// chose what to keep before the pin may be sweeping, and would remove layers the
+    /// container then mounts; one after it sees the pin.
+    pub async fn pin(
+        &self,
+        owner: &str,
+        images: &[&ImageRecord],
+        chain_ids: &[String],
+    ) -> Result<()> {
+        let _collecting = self.inner.gc.exclusive().await;
+        for img in images {
+            if self.inner.store.image(&img.id)?.is_none() {
+                return Err(Error::NotFound(format!(
+                    "image {} was removed while container {owner} was being created: pull it again",
+                    img.id
+                )));
+            }
+        }
+        self.inner.store.pin(owner, chain_ids)
+    }
+
     /// Removes snapshots and content that no image and no pull in progress references (or
     /// leaves that to a collection that starts after this call, `Coalesced`).
     pub async fn gc(&self) -> Result<()> {
@@ -688,6 +710,58 @@ impl Images {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A container's pin waits for a collection under way, and refuses an image removed
+    /// meanwhile: that collection may be sweeping its layers.
+    #[tokio::test]
+    async fn a_pin_waits_for_a_collection_and_refuses_a_removed_image() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
+        let images = Images::open(
+            dir.path(),
+            store.clone(),
+            dir.path().join("certs.d"),
+            ImageConfig::default(),
+        )
+        .await
+        .unwrap();
+        let record = |id: &str| ImageRecord {
+            v: crate::store::RECORD_VERSION,
+            id: id.into(),
+            repo_tags: vec![],
+            repo_digests: vec![],
+            manifest_digest: format!("{id}-manifest"),
+            size: 0,
+            chain_ids: vec![format!("{id}-layer")],
+            user: String::new(),
+            pulled_at: 0,
+        };
+        let (kept, removed) = (record("sha256:kept"), record("sha256:removed"));
+        store.put_image(&kept).unwrap();
+        store.put_image(&removed).unwrap();
+        // A collection under way (its lock held), and the image removed meanwhile.
+        let collecting = images.inner.gc.exclusive().await;
+        let pin = tokio::spawn({
+            let (images, removed) = (images.clone(), removed.clone());
+            async move { images.pin("c1", &[&removed], &removed.chain_ids).await }
+        });
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!pin.is_finished(), "the pin waits for the collection");
+        store.remove_image(&removed.id).unwrap();
+        drop(collecting);
+        match pin.await.unwrap() {
+            Err(Error::NotFound(m)) => assert!(
+                m.contains("image sha256:removed was removed while container c1"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert!(store.pinned().unwrap().is_empty());
+        images.pin("c2", &[&kept], &kept.chain_ids).await.unwrap();
+        assert_eq!(store.pinned().unwrap(), kept.chain_ids);
+    }
 
     #[tokio::test]
     async fn requests_made_while_a_run_is_under_way_share_the_next_run() {

@@ -92,7 +92,8 @@ impl Runtime {
         let id = new_id();
         let mut undo = Undo::default();
         self.reserve(&key, &id, &mut undo)?;
-        self.store.pin(&id, &chain_ids)?;
+        let pinned: Vec<&ImageRecord> = std::iter::once(&image).chain(&volume_images).collect();
+        self.images.pin(&id, &pinned, &chain_ids).await?;
         {
             let (store, id) = (self.store.clone(), id.clone());
             undo.push(move || {
