@@ -1121,19 +1121,11 @@ async fn a_failed_download_answers_while_its_unpack_waits_for_a_slot() {
     expect_pulled(&h, holder, &imgs[0].0, &imgs[0].2).await;
     // Nothing of the failed pulls is left: no ingest file, no unpack dir, and no snapshot but
     // the holder's (the stack's layer below ended after its pulls had answered).
-    let snapshots = || -> Vec<String> {
-        std::fs::read_dir(h.root.join("snapshots"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .collect()
-    };
     wait_until("the failed pulls' layers removed", || {
-        Hako::files_under(&h.root.join("ingest")).is_empty() && snapshots().len() == 1
+        ingest_files(&h).is_empty() && snapshot_dirs(&h).len() == 1
     })
     .await;
-    let left = snapshots();
-    assert!(!left[0].starts_with("tmp-"), "{left:?}");
+    assert!(tmp_unpacks(&h).is_empty(), "{:?}", snapshot_dirs(&h));
     wait_until("the collection logged", || collections() > before).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Shown, not asserted: how many clean-ups ask before the first collection ends depends on
@@ -1198,10 +1190,7 @@ async fn a_failed_layer_stops_the_download_above_it() {
         proxy.count(&format!("/blobs/{}", above.digest)),
         proxy.hung_up()
     );
-    wait_until("no ingest file left", || {
-        std::fs::read_dir(h.root.join("ingest")).map_or(0, |d| d.count()) == 0
-    })
-    .await;
+    wait_until("no ingest file left", || ingest_files(&h).is_empty()).await;
 }
 
 /// A tar of one one-byte file whose name is written raw (up to 100 bytes), below the tar

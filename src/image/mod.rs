@@ -248,9 +248,9 @@ struct Inner {
 }
 
 /// Runs one job at a time, and a request is answered by the first run to start after it
-/// (which may be its own): for GC, a collection's choice of what to keep follows every request made before
-/// it started, so those need no run of their own (failed pulls sharing a layer ask together
-/// when it ends).
+/// (which may be its own): for GC, a collection's choice of what to keep follows every
+/// request made before it started, so those need no run of their own (failed pulls sharing a
+/// layer ask together when it ends).
 #[derive(Default)]
 struct Coalesced {
     /// Requests so far, numbered from 1.
