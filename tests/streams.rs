@@ -153,14 +153,19 @@ async fn exec_streams_stdio_and_exit_follows_resizes_and_dies_with_its_client() 
     assert_eq!((out.as_str(), err.as_str()), ("hello\nworld\n", "err\n"));
     assert_eq!(exit_of(s).await, 7);
 
-    // With one: `stty size` sees each resize.
+    // With one: `stty size` sees each resize. A resize travels apart from stdin (as kubelet's
+    // does, on a stream of its own), so the line read may come first: the shell waits for
+    // the size it was told of, and fails the test only by never seeing it.
+    let wait_for_size = |size: &str| {
+        format!(r#"while [ "$(stty size 2>/dev/null)" != "{size}" ]; do sleep 0.05; done"#)
+    };
+    let script = format!(
+        "read a; {}; stty size; read b; {}; stty size; exit 3",
+        wait_for_size("30 100"),
+        wait_for_size("40 120")
+    );
     let mut s = d
-        .exec(exec_req(
-            &cid,
-            &["sh", "-c", "read a; stty size; read b; stty size; exit 3"],
-            true,
-            true,
-        ))
+        .exec(exec_req(&cid, &["sh", "-c", &script], true, true))
         .await
         .unwrap();
     assert!(s.stderr.is_none(), "a terminal merges stderr into stdout");
