@@ -245,6 +245,9 @@ struct Inner {
     unpacks: Arc<tokio::sync::Semaphore>,
     /// Collections, one at a time, requests made while one waits answered together.
     gc: Coalesced,
+    /// Where a collection moves what it removes, to delete it after giving its lock back.
+    trash_dir: PathBuf,
+    sweeps: AtomicU64,
 }
 
 /// Runs one job at a time, and a request is answered by the first run to start after it
@@ -260,18 +263,21 @@ struct Coalesced {
 }
 
 impl Coalesced {
-    /// Runs `job`, unless a run that started after this call finishes first; false then.
-    async fn run<F: Future<Output = Result<()>>>(&self, job: impl FnOnce() -> F) -> Result<bool> {
+    /// Runs `job`, unless a run that started after this call finishes first; None then.
+    async fn run<T, F: Future<Output = Result<T>>>(
+        &self,
+        job: impl FnOnce() -> F,
+    ) -> Result<Option<T>> {
         let asked = self.asked.fetch_add(1, Ordering::SeqCst) + 1;
         let mut answered = self.answered.lock().await;
         if *answered >= asked {
-            return Ok(false);
+            return Ok(None);
         }
         let answers = self.asked.load(Ordering::SeqCst);
-        job().await?;
+        let done = job().await?;
         tracing::debug!(requests = answers - *answered, "collected garbage");
         *answered = answers;
-        Ok(true)
+        Ok(Some(done))
     }
 
     /// Waits for a run under way, and keeps the next from starting while held.
@@ -364,6 +370,9 @@ impl Images {
         let content_dir = root.join("content").join("sha256");
         let snapshots_dir = root.join("snapshots");
         let ingest_dir = root.join("ingest");
+        let trash_dir = root.join("trash");
+        // What an earlier daemon's collections had not finished deleting.
+        let _ = std::fs::remove_dir_all(&trash_dir);
         for d in [&content_dir, &snapshots_dir] {
             std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
         }
@@ -386,6 +395,8 @@ impl Images {
                 leases: Mutex::new(HashMap::new()),
                 next_lease: AtomicU64::new(1),
                 gc: Coalesced::default(),
+                trash_dir,
+                sweeps: AtomicU64::new(0),
             }),
         };
         images.remove_stale_unpacks()?;
@@ -599,13 +610,14 @@ impl Images {
     /// Pins `chain_ids` for `owner` (a container being created), once each of `images` is
     /// still recorded. Under the collection lock, as a lease is taken: a collection that
     /// chose what to keep before the pin may be sweeping, and would remove layers the
-    /// container then mounts; one after it sees the pin.
+    /// container then mounts; one after it sees the pin. Answers the config of the first of
+    /// `images` (the container's own).
     pub async fn pin(
         &self,
         owner: &str,
         images: &[&ImageRecord],
         chain_ids: &[String],
-    ) -> Result<()> {
+    ) -> Result<ImageConfiguration> {
         let _collecting = self.inner.gc.exclusive().await;
         for img in images {
             if self.inner.store.image(&img.id)?.is_none() {
@@ -615,7 +627,19 @@ impl Images {
                 )));
             }
         }
-        self.inner.store.pin(owner, chain_ids)
+        // Read under the lock: the config file goes with its image's record, and a
+        // collection between a read before and this check would turn NOT_FOUND into an I/O
+        // error.
+        let config = match images.first() {
+            Some(img) => self.config(img)?,
+            None => {
+                return Err(Error::Internal(format!(
+                    "container {owner}: no image to pin"
+                )))
+            }
+        };
+        self.inner.store.pin(owner, chain_ids)?;
+        Ok(config)
     }
 
     /// Removes snapshots and content that no image and no pull in progress references (or
@@ -625,14 +649,28 @@ impl Images {
         // give the lock back while the sweep it started still runs on the blocking pool,
         // and a pull could then lease and find in place a layer that sweep removes.
         let images = self.clone();
-        tokio::spawn(async move { images.inner.gc.run(|| images.collect()).await })
+        tokio::spawn(async move {
+            let Some(Some(trash)) = images.inner.gc.run(|| images.collect()).await? else {
+                return Ok(());
+            };
+            // After the lock is given back: pulls and creates wait for the choice and the
+            // moves only, not for deleting a big image's files.
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = std::fs::remove_dir_all(&trash) {
+                    tracing::warn!(path = %trash.display(), error = %e, "cannot delete collected files");
+                }
+            })
             .await
-            .map_err(|e| Error::Internal(format!("gc task: {e}")))?
-            .map(drop)
+            .map_err(|e| Error::Internal(format!("gc task: {e}")))
+        })
+        .await
+        .map_err(|e| Error::Internal(format!("gc task: {e}")))?
     }
 
-    /// One collection, run by `gc` alone.
-    async fn collect(&self) -> Result<()> {
+    /// One collection, run by `gc` alone: removes the records of what nothing holds and moves
+    /// its files into a directory of the trash, which it answers (None when it moved
+    /// nothing). What cannot be moved (the trash on another file system) is deleted in place.
+    async fn collect(&self) -> Result<Option<PathBuf>> {
         let mut keep: HashSet<String> = HashSet::new();
         for img in self.inner.store.images()? {
             keep.insert(img.id.clone());
@@ -657,7 +695,14 @@ impl Images {
         let store = self.inner.store.clone();
         let snapshots_dir = self.inner.snapshots_dir.clone();
         let content_dir = self.inner.content_dir.clone();
-        tokio::task::spawn_blocking(move || -> Result<()> {
+        let trash = (self.inner.trash_dir).join(
+            self.inner
+                .sweeps
+                .fetch_add(1, Ordering::Relaxed)
+                .to_string(),
+        );
+        tokio::task::spawn_blocking(move || -> Result<Option<PathBuf>> {
+            let mut moved = false;
             for s in store.snapshots()? {
                 if !keep.contains(&s.chain_id) {
                     store.remove_snapshot(&s.chain_id)?;
@@ -672,6 +717,15 @@ impl Images {
                         continue;
                     }
                     let p = e.path();
+                    let to = trash.join(format!("{}-{name}", if is_snap { "s" } else { "c" }));
+                    if std::fs::create_dir_all(&trash)
+                        .and_then(|()| std::fs::rename(&p, &to))
+                        .is_ok()
+                    {
+                        moved = true;
+                        tracing::debug!(path = %p.display(), "collected");
+                        continue;
+                    }
                     let r = if p.is_dir() {
                         std::fs::remove_dir_all(&p)
                     } else {
@@ -685,7 +739,7 @@ impl Images {
                     }
                 }
             }
-            Ok(())
+            Ok(moved.then_some(trash))
         })
         .await
         .map_err(|e| Error::Internal(format!("gc task: {e}")))?
@@ -739,6 +793,11 @@ mod tests {
         let (kept, removed) = (record("sha256:kept"), record("sha256:removed"));
         store.put_image(&kept).unwrap();
         store.put_image(&removed).unwrap();
+        std::fs::write(
+            images.content_path(&kept.id),
+            config_doc(Some(serde_json::json!({"User": "7"}))),
+        )
+        .unwrap();
         // A collection under way (its lock held), and the image removed meanwhile.
         let collecting = images.inner.gc.exclusive().await;
         let pin = tokio::spawn({
@@ -751,6 +810,7 @@ mod tests {
         assert!(!pin.is_finished(), "the pin waits for the collection");
         store.remove_image(&removed.id).unwrap();
         drop(collecting);
+        // NOT_FOUND, not the I/O error of reading the config file its collection removed.
         match pin.await.unwrap() {
             Err(Error::NotFound(m)) => assert!(
                 m.contains("image sha256:removed was removed while container c1"),
@@ -759,8 +819,72 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(store.pinned().unwrap().is_empty());
-        images.pin("c2", &[&kept], &kept.chain_ids).await.unwrap();
+        let config = images.pin("c2", &[&kept], &kept.chain_ids).await.unwrap();
+        assert_eq!(
+            config.config().as_ref().unwrap().user().as_deref(),
+            Some("7")
+        );
         assert_eq!(store.pinned().unwrap(), kept.chain_ids);
+    }
+
+    /// A collection holds its lock (which pulls and creates wait for) while it chooses and
+    /// moves what it removes, not while it deletes it; what a daemon died before deleting
+    /// goes at the next start.
+    #[tokio::test]
+    async fn a_collection_deletes_what_it_removed_after_giving_its_lock_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
+        let open = || {
+            Images::open(
+                dir.path(),
+                store.clone(),
+                dir.path().join("certs.d"),
+                ImageConfig::default(),
+            )
+        };
+        let images = open().await.unwrap();
+        let layer = images.snapshot_fs(&format!("sha256:{}", "a".repeat(64)));
+        std::fs::create_dir_all(layer.join("usr/bin")).unwrap();
+        std::fs::write(layer.join("usr/bin/tool"), b"x").unwrap();
+        let blob = images.content_path(&format!("sha256:{}", "b".repeat(64)));
+        std::fs::write(&blob, b"blob").unwrap();
+
+        let trash = images.inner.gc.run(|| images.collect()).await.unwrap();
+        let trash = trash
+            .flatten()
+            .expect("the collection moved what it removed");
+        assert!(
+            images.inner.gc.answered.try_lock().is_ok(),
+            "the lock is back"
+        );
+        assert!(!layer.exists() && !blob.exists());
+        let moved: Vec<_> = std::fs::read_dir(&trash)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(moved.len(), 2, "{moved:?}");
+        assert!(trash
+            .join(format!("s-{}", "a".repeat(64)))
+            .join("fs/usr/bin/tool")
+            .exists());
+
+        // gc() deletes its own run's trash before it answers.
+        std::fs::write(&blob, b"blob").unwrap();
+        images.gc().await.unwrap();
+        assert!(!blob.exists());
+        let left: Vec<_> = std::fs::read_dir(&images.inner.trash_dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        assert_eq!(
+            left,
+            std::slice::from_ref(&trash),
+            "the next run's trash is deleted"
+        );
+
+        drop(images);
+        let _images = open().await.unwrap();
+        assert!(!trash.exists(), "a start deletes an earlier daemon's trash");
     }
 
     #[tokio::test]
@@ -779,7 +903,7 @@ mod tests {
         let (go, hold) = tokio::sync::oneshot::channel();
         let first = tokio::spawn({
             let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
-            async move { c.run(job).await.unwrap() }
+            async move { c.run(job).await.unwrap().is_some() }
         });
         while runs.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
@@ -787,7 +911,7 @@ mod tests {
         let waiting: Vec<_> = (0..4)
             .map(|_| {
                 let (c, job) = (c.clone(), job(runs.clone(), None));
-                tokio::spawn(async move { c.run(job).await.unwrap() })
+                tokio::spawn(async move { c.run(job).await.unwrap().is_some() })
             })
             .collect();
         while c.asked.load(Ordering::SeqCst) < 5 {
@@ -809,7 +933,7 @@ mod tests {
         let (go, hold) = tokio::sync::oneshot::channel();
         let holder = tokio::spawn({
             let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
-            async move { c.run(job).await.unwrap() }
+            async move { c.run(job).await.unwrap().is_some() }
         });
         while c.asked.load(Ordering::SeqCst) < 6 {
             tokio::task::yield_now().await;
@@ -817,7 +941,7 @@ mod tests {
         let failing = tokio::spawn({
             let c = c.clone();
             async move {
-                c.run(|| async { Err(Error::Internal("collection failed".into())) })
+                c.run(|| async { Err::<(), _>(Error::Internal("collection failed".into())) })
                     .await
             }
         });
@@ -826,7 +950,7 @@ mod tests {
         }
         let after = tokio::spawn({
             let (c, job) = (c.clone(), job(runs.clone(), None));
-            async move { c.run(job).await.unwrap() }
+            async move { c.run(job).await.unwrap().is_some() }
         });
         while c.asked.load(Ordering::SeqCst) < 8 {
             tokio::task::yield_now().await;

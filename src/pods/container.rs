@@ -37,8 +37,6 @@ impl Runtime {
             ));
         }
         let t0 = std::time::Instant::now();
-        // libcontainer moves the container into its cgroups some ms from now.
-        let _warm = hako_runtime::cgroup_warm::hold();
         let key = req.reservation(&pod.id);
         let _guard = self.name_lock(&key).await;
         // The pod cannot stop or go while this create holds its share of the pod's lock.
@@ -69,7 +67,6 @@ impl Runtime {
         let image = self.images.find(&req.image)?.ok_or_else(|| {
             Error::NotFound(format!("image {:?} not found: pull it first", req.image))
         })?;
-        let config = self.images.config(&image)?;
         // Image volumes' images are on the node already (kubelet pulled them); each is found
         // before anything is made, and their layers are pinned with the container's own.
         let mut volume_images = Vec::new();
@@ -93,7 +90,10 @@ impl Runtime {
         let mut undo = Undo::default();
         self.reserve(&key, &id, &mut undo)?;
         let pinned: Vec<&ImageRecord> = std::iter::once(&image).chain(&volume_images).collect();
-        self.images.pin(&id, &pinned, &chain_ids).await?;
+        let config = self.images.pin(&id, &pinned, &chain_ids).await?;
+        // libcontainer moves the container into its cgroups some ms from now. Taken after the
+        // pin, which may wait for a collection: the hold lapses after a while.
+        let _warm = hako_runtime::cgroup_warm::hold();
         {
             let (store, id) = (self.store.clone(), id.clone());
             undo.push(move || {
