@@ -30,9 +30,9 @@ async fn image_count(h: &Hako) -> usize {
 }
 
 /// What a failed pull may leave under hako's root: nothing in `snapshots/` (no layer, no
-/// `tmp-*` unpack dir) and nothing in `ingest/`, once the layers still running have ended.
+/// `tmp-*` unpack dir), `ingest/` or `trash/`, once the layers still running have ended.
 async fn assert_nothing_left(h: &Hako) {
-    let dirs = ["snapshots", "ingest"];
+    let dirs = ["snapshots", "ingest", "trash"];
     h.settle_store(&dirs).await;
     for d in dirs {
         let dir = h.root.join(d);

@@ -129,7 +129,7 @@ async fn warm_up(h: &Hako, addr: &str) {
 /// Nothing listed, nothing half-written, nothing outside the store, no panic (once the failed
 /// pull's layers still running have ended).
 async fn assert_clean(h: &Hako) {
-    let store_dirs = ["ingest", "snapshots", "content/sha256"];
+    let store_dirs = ["ingest", "snapshots", "content/sha256", "trash"];
     h.settle_store(&store_dirs).await;
     let mut c = h.images().await;
     let listed = c
@@ -176,6 +176,7 @@ async fn assert_clean(h: &Hako) {
                 "content",
                 "snapshots",
                 "ingest",
+                "trash",
                 "containers",
                 "cni"
             ]

@@ -324,6 +324,10 @@ async fn pull_status_list_remove() {
     assert_eq!(status(&h, &repo_digest).await, None);
     assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
     assert!(Hako::files_under(&h.root.join("content/sha256")).is_empty());
+    // Deleted when the removal answers, not only moved aside (kubelet reads the free space
+    // next).
+    let trash = Hako::files_under(&h.root.join("trash"));
+    assert!(trash.is_empty(), "{trash:?}");
     let fs = c
         .image_fs_info(cri::ImageFsInfoRequest {})
         .await
@@ -1282,9 +1286,11 @@ async fn malicious_layer_is_rejected_and_cleaned_up() {
             landing.display()
         );
         assert!(list(&h).await.is_empty());
-        h.settle_store(&["snapshots", "ingest"]).await;
+        h.settle_store(&["snapshots", "ingest", "trash"]).await;
         assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
         assert!(ingest_files(&h).is_empty(), "{:?}", ingest_files(&h));
+        let trash = Hako::files_under(&h.root.join("trash"));
+        assert!(trash.is_empty(), "{trash:?}");
     }
 }
 

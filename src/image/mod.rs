@@ -253,31 +253,61 @@ struct Inner {
 /// Runs one job at a time, and a request is answered by the first run to start after it
 /// (which may be its own): for GC, a collection's choice of what to keep follows every
 /// request made before it started, so those need no run of their own (failed pulls sharing a
-/// layer ask together when it ends).
-#[derive(Default)]
+/// layer ask together when it ends). A run has two parts: the job, under the lock, and its
+/// `then`, after the lock is given back (GC deletes there what its job moved aside); the
+/// `then`s run one at a time in the order of their jobs.
 struct Coalesced {
     /// Requests so far, numbered from 1.
     asked: AtomicU64,
-    /// Held while a job runs: the number of the last request a finished run answered.
+    /// Held while a job runs: the number of the last request a finished job answered.
     answered: tokio::sync::Mutex<u64>,
+    /// The number of the last request whose run has ended, its `then` too.
+    finished: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for Coalesced {
+    fn default() -> Coalesced {
+        Coalesced {
+            asked: AtomicU64::new(0),
+            answered: tokio::sync::Mutex::new(0),
+            finished: tokio::sync::watch::Sender::new(0),
+        }
+    }
 }
 
 impl Coalesced {
-    /// Runs `job`, unless a run that started after this call finishes first; None then.
-    async fn run<T, F: Future<Output = Result<T>>>(
-        &self,
-        job: impl FnOnce() -> F,
-    ) -> Result<Option<T>> {
+    /// Runs `job`, then `then` with its output once the lock is back, unless a run that
+    /// started after this call answers it first: false then, once that run's `then` ended
+    /// (a removal answers when its files are gone, as kubelet's disk accounting expects).
+    async fn run<T, F, G>(&self, job: impl FnOnce() -> F, then: impl FnOnce(T) -> G) -> Result<bool>
+    where
+        F: Future<Output = Result<T>>,
+        G: Future<Output = ()>,
+    {
         let asked = self.asked.fetch_add(1, Ordering::SeqCst) + 1;
         let mut answered = self.answered.lock().await;
         if *answered >= asked {
-            return Ok(None);
+            drop(answered);
+            self.finished(asked).await;
+            return Ok(false);
         }
+        let before = *answered;
         let answers = self.asked.load(Ordering::SeqCst);
         let done = job().await?;
-        tracing::debug!(requests = answers - *answered, "collected garbage");
+        tracing::debug!(requests = answers - before, "collected garbage");
         *answered = answers;
-        Ok(Some(done))
+        drop(answered);
+        // After the run before this one (which answered up to `before`) has ended.
+        self.finished(before).await;
+        then(done).await;
+        self.finished.send_modify(|f| *f = (*f).max(answers));
+        Ok(true)
+    }
+
+    /// Waits until the run answering request `n` has ended.
+    async fn finished(&self, n: u64) {
+        // The sender lives as long as `self`: the wait ends only by the value.
+        let _ = self.finished.subscribe().wait_for(|f| *f >= n).await;
     }
 
     /// Waits for a run under way, and keeps the next from starting while held.
@@ -372,8 +402,14 @@ impl Images {
         let ingest_dir = root.join("ingest");
         let trash_dir = root.join("trash");
         // What an earlier daemon's collections had not finished deleting.
-        let _ = std::fs::remove_dir_all(&trash_dir);
-        for d in [&content_dir, &snapshots_dir] {
+        match std::fs::remove_dir_all(&trash_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(path = %trash_dir.display(), error = %e, "cannot delete collected files")
+            }
+        }
+        for d in [&content_dir, &snapshots_dir, &trash_dir] {
             std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
         }
         // Leftovers of pulls that died with an earlier daemon.
@@ -650,27 +686,49 @@ impl Images {
         // and a pull could then lease and find in place a layer that sweep removes.
         let images = self.clone();
         tokio::spawn(async move {
-            let Some(Some(trash)) = images.inner.gc.run(|| images.collect()).await? else {
-                return Ok(());
-            };
-            // After the lock is given back: pulls and creates wait for the choice and the
-            // moves only, not for deleting a big image's files.
-            tokio::task::spawn_blocking(move || {
-                if let Err(e) = std::fs::remove_dir_all(&trash) {
-                    tracing::warn!(path = %trash.display(), error = %e, "cannot delete collected files");
-                }
-            })
-            .await
-            .map_err(|e| Error::Internal(format!("gc task: {e}")))
+            let gc = &images.inner.gc;
+            // Pulls and creates wait for the choice and the moves only, not for deleting a
+            // big image's files, which follows once the lock is back.
+            gc.run(|| images.collect(), |sweep| images.empty_trash(sweep))
+                .await
+                .map(drop)
         })
         .await
         .map_err(|e| Error::Internal(format!("gc task: {e}")))?
     }
 
+    /// Deletes the trash of collection `sweep` and of those before it (what an earlier
+    /// deletion failed at, or a collection that failed after moving some files, left).
+    async fn empty_trash(&self, sweep: u64) {
+        let trash = self.inner.trash_dir.clone();
+        let deleted = tokio::task::spawn_blocking(move || {
+            let Ok(entries) = std::fs::read_dir(&trash) else {
+                return;
+            };
+            for e in entries.flatten() {
+                let p = e.path();
+                if e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) > Some(sweep) {
+                    continue;
+                }
+                match std::fs::remove_dir_all(&p) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::warn!(path = %p.display(), error = %e, "cannot delete collected files")
+                    }
+                }
+            }
+        })
+        .await;
+        if let Err(e) = deleted {
+            tracing::warn!(error = %e, "trash deletion task failed");
+        }
+    }
+
     /// One collection, run by `gc` alone: removes the records of what nothing holds and moves
-    /// its files into a directory of the trash, which it answers (None when it moved
-    /// nothing). What cannot be moved (the trash on another file system) is deleted in place.
-    async fn collect(&self) -> Result<Option<PathBuf>> {
+    /// its files into the trash directory of this collection, whose number it answers. What
+    /// cannot be moved (the trash on another file system) is deleted in place.
+    async fn collect(&self) -> Result<u64> {
         let mut keep: HashSet<String> = HashSet::new();
         for img in self.inner.store.images()? {
             keep.insert(img.id.clone());
@@ -695,14 +753,9 @@ impl Images {
         let store = self.inner.store.clone();
         let snapshots_dir = self.inner.snapshots_dir.clone();
         let content_dir = self.inner.content_dir.clone();
-        let trash = (self.inner.trash_dir).join(
-            self.inner
-                .sweeps
-                .fetch_add(1, Ordering::Relaxed)
-                .to_string(),
-        );
-        tokio::task::spawn_blocking(move || -> Result<Option<PathBuf>> {
-            let mut moved = false;
+        let sweep = self.inner.sweeps.fetch_add(1, Ordering::Relaxed);
+        let trash = self.inner.trash_dir.join(sweep.to_string());
+        tokio::task::spawn_blocking(move || -> Result<u64> {
             for s in store.snapshots()? {
                 if !keep.contains(&s.chain_id) {
                     store.remove_snapshot(&s.chain_id)?;
@@ -722,7 +775,6 @@ impl Images {
                         .and_then(|()| std::fs::rename(&p, &to))
                         .is_ok()
                     {
-                        moved = true;
                         tracing::debug!(path = %p.display(), "collected");
                         continue;
                     }
@@ -739,7 +791,7 @@ impl Images {
                     }
                 }
             }
-            Ok(moved.then_some(trash))
+            Ok(sweep)
         })
         .await
         .map_err(|e| Error::Internal(format!("gc task: {e}")))?
@@ -828,8 +880,8 @@ mod tests {
     }
 
     /// A collection holds its lock (which pulls and creates wait for) while it chooses and
-    /// moves what it removes, not while it deletes it; what a daemon died before deleting
-    /// goes at the next start.
+    /// moves what it removes, not while it deletes it; its deletion also takes what earlier
+    /// ones left, and what a daemon died before deleting goes at the next start.
     #[tokio::test]
     async fn a_collection_deletes_what_it_removed_after_giving_its_lock_back() {
         let dir = tempfile::tempdir().unwrap();
@@ -848,43 +900,122 @@ mod tests {
         std::fs::write(layer.join("usr/bin/tool"), b"x").unwrap();
         let blob = images.content_path(&format!("sha256:{}", "b".repeat(64)));
         std::fs::write(&blob, b"blob").unwrap();
+        let trash = images.inner.trash_dir.clone();
+        let in_trash = || {
+            let mut v: Vec<String> = std::fs::read_dir(&trash)
+                .unwrap()
+                .flat_map(|run| std::fs::read_dir(run.unwrap().path()).unwrap())
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            v.sort();
+            v
+        };
 
-        let trash = images.inner.gc.run(|| images.collect()).await.unwrap();
-        let trash = trash
-            .flatten()
-            .expect("the collection moved what it removed");
-        assert!(
-            images.inner.gc.answered.try_lock().is_ok(),
-            "the lock is back"
-        );
+        // The deletion held back: the lock is free while the files wait in the trash.
+        let (go, hold) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn({
+            let (a, b) = (images.clone(), images.clone());
+            async move {
+                let gc = &a.inner.gc;
+                gc.run(
+                    || a.collect(),
+                    |sweep| async move {
+                        hold.await.unwrap();
+                        b.empty_trash(sweep).await
+                    },
+                )
+                .await
+                .unwrap()
+            }
+        });
+        while in_trash().len() < 2 || images.inner.gc.answered.try_lock().is_err() {
+            tokio::task::yield_now().await;
+        }
         assert!(!layer.exists() && !blob.exists());
-        let moved: Vec<_> = std::fs::read_dir(&trash)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().into_string().unwrap())
-            .collect();
-        assert_eq!(moved.len(), 2, "{moved:?}");
-        assert!(trash
-            .join(format!("s-{}", "a".repeat(64)))
-            .join("fs/usr/bin/tool")
-            .exists());
+        assert_eq!(
+            in_trash(),
+            [
+                format!("c-{}", "b".repeat(64)),
+                format!("s-{}", "a".repeat(64))
+            ]
+        );
+        go.send(()).unwrap();
+        assert!(run.await.unwrap());
+        assert!(in_trash().is_empty(), "{:?}", in_trash());
 
-        // gc() deletes its own run's trash before it answers.
+        // A leftover of an earlier collection goes with the next one's deletion.
+        std::fs::create_dir_all(trash.join("0/s-left")).unwrap();
         std::fs::write(&blob, b"blob").unwrap();
         images.gc().await.unwrap();
         assert!(!blob.exists());
-        let left: Vec<_> = std::fs::read_dir(&images.inner.trash_dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .collect();
-        assert_eq!(
-            left,
-            std::slice::from_ref(&trash),
-            "the next run's trash is deleted"
-        );
+        assert_eq!(std::fs::read_dir(&trash).unwrap().count(), 0);
 
+        std::fs::create_dir_all(trash.join("7/s-left")).unwrap();
         drop(images);
         let _images = open().await.unwrap();
-        assert!(!trash.exists(), "a start deletes an earlier daemon's trash");
+        assert!(
+            !trash.join("7").exists(),
+            "a start deletes an earlier daemon's trash"
+        );
+    }
+
+    /// A request answered by another run's job answers when that run's `then` has ended,
+    /// and the lock is free meanwhile.
+    #[tokio::test]
+    async fn a_request_answered_by_another_run_waits_for_its_then() {
+        let c = Arc::new(Coalesced::default());
+        let (go_job, hold_job) = tokio::sync::oneshot::channel::<()>();
+        let first = tokio::spawn({
+            let c = c.clone();
+            async move {
+                let job = move || async move {
+                    hold_job.await.unwrap();
+                    Ok(())
+                };
+                c.run(job, |()| async {}).await.unwrap()
+            }
+        });
+        while c.asked.load(Ordering::SeqCst) < 1 || c.answered.try_lock().is_ok() {
+            tokio::task::yield_now().await;
+        }
+        let (go_then, hold_then) = tokio::sync::oneshot::channel::<()>();
+        let second = tokio::spawn({
+            let c = c.clone();
+            async move {
+                let then = move |()| async move { hold_then.await.unwrap() };
+                c.run(|| async { Ok(()) }, then).await.unwrap()
+            }
+        });
+        while c.asked.load(Ordering::SeqCst) < 2 {
+            tokio::task::yield_now().await;
+        }
+        let third = tokio::spawn({
+            let c = c.clone();
+            async move {
+                let job = || async { panic!("answered by the second run") };
+                c.run(job, |()| async {}).await.unwrap()
+            }
+        });
+        while c.asked.load(Ordering::SeqCst) < 3 {
+            tokio::task::yield_now().await;
+        }
+        go_job.send(()).unwrap();
+        assert!(first.await.unwrap());
+        // The second run's job answered the third request; its `then` is held.
+        while *c.answered.lock().await < 3 {
+            tokio::task::yield_now().await;
+        }
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        assert!(c.answered.try_lock().is_ok(), "the lock is free");
+        assert!(
+            !third.is_finished(),
+            "answered only once the then has ended"
+        );
+        go_then.send(()).unwrap();
+        assert!(second.await.unwrap());
+        assert!(!third.await.unwrap());
     }
 
     #[tokio::test]
@@ -903,7 +1034,7 @@ mod tests {
         let (go, hold) = tokio::sync::oneshot::channel();
         let first = tokio::spawn({
             let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
-            async move { c.run(job).await.unwrap().is_some() }
+            async move { c.run(job, |()| async {}).await.unwrap() }
         });
         while runs.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
@@ -911,7 +1042,7 @@ mod tests {
         let waiting: Vec<_> = (0..4)
             .map(|_| {
                 let (c, job) = (c.clone(), job(runs.clone(), None));
-                tokio::spawn(async move { c.run(job).await.unwrap().is_some() })
+                tokio::spawn(async move { c.run(job, |()| async {}).await.unwrap() })
             })
             .collect();
         while c.asked.load(Ordering::SeqCst) < 5 {
@@ -933,7 +1064,7 @@ mod tests {
         let (go, hold) = tokio::sync::oneshot::channel();
         let holder = tokio::spawn({
             let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
-            async move { c.run(job).await.unwrap().is_some() }
+            async move { c.run(job, |()| async {}).await.unwrap() }
         });
         while c.asked.load(Ordering::SeqCst) < 6 {
             tokio::task::yield_now().await;
@@ -941,8 +1072,11 @@ mod tests {
         let failing = tokio::spawn({
             let c = c.clone();
             async move {
-                c.run(|| async { Err::<(), _>(Error::Internal("collection failed".into())) })
-                    .await
+                c.run(
+                    || async { Err::<(), _>(Error::Internal("collection failed".into())) },
+                    |()| async {},
+                )
+                .await
             }
         });
         while c.asked.load(Ordering::SeqCst) < 7 {
@@ -950,7 +1084,7 @@ mod tests {
         }
         let after = tokio::spawn({
             let (c, job) = (c.clone(), job(runs.clone(), None));
-            async move { c.run(job).await.unwrap().is_some() }
+            async move { c.run(job, |()| async {}).await.unwrap() }
         });
         while c.asked.load(Ordering::SeqCst) < 8 {
             tokio::task::yield_now().await;
