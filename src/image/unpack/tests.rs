@@ -553,6 +553,42 @@ fn directory_recreated_over_a_whiteout_is_opaque() {
     }
 }
 
+/// A whiteout between two entries of one directory removes it for the entries after it too:
+/// the next entry resolves its directory afresh (a recreated, opaque one), not through the
+/// directory the entry before it used.
+#[test]
+fn a_whiteout_between_entries_of_a_directory_is_seen_by_the_next_one() {
+    let sb = Sandbox::new();
+    let l = sb.layer("l0");
+    let t = tarball(&[
+        E::File("a/b/f1", b"1", 0o644),
+        E::File("a/.wh.b", b"", 0o644),
+        E::File("a/b/f2", b"2", 0o644),
+    ]);
+    unpack(&t, &l, &[]).unwrap();
+    assert!(fs::symlink_metadata(l.join("a/b")).unwrap().is_dir());
+    assert!(!l.join("a/b/f1").exists(), "the whiteout removed f1");
+    assert_eq!(fs::read(l.join("a/b/f2")).unwrap(), b"2");
+    sb.assert_untouched();
+}
+
+/// Whiteouts that hide no name (`.wh.`, `.wh..`, `.wh...`) are refused, naming the entry.
+#[test]
+fn whiteouts_hiding_no_name_are_refused() {
+    let sb = Sandbox::new();
+    for (i, name) in ["d/.wh.", "d/.wh..", "d/.wh..."].into_iter().enumerate() {
+        let t = tarball(&[E::Dir("d/", 0o755), E::File(name, b"", 0o644)]);
+        let err = unpack(&t, &sb.layer(&format!("l{i}")), &[])
+            .map_err(|e| crate::error::chain(&e))
+            .unwrap_err();
+        assert!(
+            err.contains("invalid whiteout name") && err.contains(name),
+            "{name}: {err}"
+        );
+    }
+    sb.assert_untouched();
+}
+
 #[test]
 fn diff_id_mismatch_is_an_error() {
     let root = tempfile::tempdir().unwrap();
