@@ -49,7 +49,7 @@ pub struct ImageConfig {
     pub max_layer_unpacked_bytes: u64,
     /// Bound on the files, directories and links one layer's unpack creates; 0 = none.
     pub max_layer_entries: u64,
-    /// Flush each unpacked layer to disk (syncfs); its record says it is unsynced until then.
+    /// Flush each unpacked layer to disk (syncfs) before it is recorded as complete.
     pub sync_layers: bool,
 }
 

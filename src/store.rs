@@ -79,19 +79,6 @@ pub struct SnapshotRecord {
     /// Disk usage of the unpacked layer: allocated bytes and inodes.
     pub usage_bytes: u64,
     pub usage_inodes: u64,
-    /// Set while the layer's files may not be on disk yet (`image.sync_layers`: the sync runs
-    /// after the record, off the pull's path); None once synced, or when syncs are off.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub unsynced: Option<Unsynced>,
-}
-
-/// A layer recorded before its sync: the boot it was written in (after another boot its files
-/// may be torn) and the token its sync must show to mark it synced (a later unpack of the same
-/// chain id, recorded anew, is not covered by an earlier sync).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct Unsynced {
-    pub boot_id: String,
-    pub token: u64,
 }
 
 pub struct Store {
@@ -325,29 +312,6 @@ impl Store {
             .insert(rec.chain_id.as_str(), encode(rec).as_slice())?;
         txn.commit()?;
         Ok(())
-    }
-
-    /// Marks `chain_id` synced if its record still waits for the sync that `token` names;
-    /// whether it did.
-    pub fn mark_snapshot_synced(&self, chain_id: &str, token: u64) -> Result<bool> {
-        let txn = self.db.begin_write()?;
-        let marked = {
-            let mut table = txn.open_table(SNAPSHOTS)?;
-            let rec: Option<SnapshotRecord> = match table.get(chain_id)? {
-                Some(v) => Some(decode("snapshots", chain_id, v.value())?),
-                None => None,
-            };
-            match rec {
-                Some(mut rec) if rec.unsynced.as_ref().is_some_and(|u| u.token == token) => {
-                    rec.unsynced = None;
-                    table.insert(chain_id, encode(&rec).as_slice())?;
-                    true
-                }
-                _ => false,
-            }
-        };
-        txn.commit()?;
-        Ok(marked)
     }
 
     pub fn remove_snapshot(&self, chain_id: &str) -> Result<()> {
@@ -902,26 +866,12 @@ mod tests {
                 parent: None,
                 usage_bytes: 4096,
                 usage_inodes: 2,
-                unsynced: Some(Unsynced {
-                    boot_id: "b1".into(),
-                    token: 7,
-                }),
             })
             .unwrap();
         }
         let s = Store::open(&path).unwrap();
         assert_eq!(s.images().unwrap().len(), 1);
-        let snap = s.snapshot("sha256:c").unwrap().unwrap();
-        assert_eq!(snap.usage_inodes, 2);
-        assert_eq!(snap.unsynced.as_ref().unwrap().boot_id, "b1");
-        // Only the sync the record waits for marks it; an unknown snapshot is left alone.
-        assert!(!s.mark_snapshot_synced("sha256:c", 6).unwrap());
-        assert!(s.snapshot("sha256:c").unwrap().unwrap().unsynced.is_some());
-        assert!(s.mark_snapshot_synced("sha256:c", 7).unwrap());
-        assert_eq!(s.snapshot("sha256:c").unwrap().unwrap().unsynced, None);
-        assert!(!s.mark_snapshot_synced("sha256:c", 7).unwrap());
-        assert!(!s.mark_snapshot_synced("sha256:gone", 7).unwrap());
-        assert!(s.snapshot("sha256:gone").unwrap().is_none());
+        assert_eq!(s.snapshot("sha256:c").unwrap().unwrap().usage_inodes, 2);
     }
 }
 

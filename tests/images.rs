@@ -1317,46 +1317,6 @@ async fn images_survive_restart_and_sigterm_exits_zero() {
         img.id(),
         "after kill -9 too"
     );
-
-    // Layers are recorded before their sync, marked so until it ran; a start in the same boot
-    // syncs what is still marked. One marked by an earlier boot (a power loss before its sync)
-    // may be torn: a start drops it with its files and its image, and a pull brings it back.
-    let chains = chain_ids_of(&h, &name).await;
-    assert!(h.stop().success());
-    let top = chains.last().unwrap().clone();
-    {
-        let store = hako::store::Store::open(&h.root.join("meta.db")).unwrap();
-        for c in &chains {
-            let snap = store.snapshot(c).unwrap().unwrap();
-            assert_eq!(snap.unsynced, None, "{c} synced by now");
-        }
-        let mut snap = store.snapshot(&top).unwrap().unwrap();
-        snap.unsynced = Some(hako::store::Unsynced {
-            boot_id: "an-earlier-boot".into(),
-            token: 1,
-        });
-        store.put_snapshot(&snap).unwrap();
-    }
-    let layer_dir = h
-        .root
-        .join("snapshots")
-        .join(top.trim_start_matches("sha256:"));
-    assert!(layer_dir.is_dir());
-    h.restart();
-    assert_eq!(
-        status(&h, &name).await,
-        None,
-        "the image went with its layer"
-    );
-    assert!(!layer_dir.exists(), "the layer's files went too");
-    assert!(
-        h.log_text().contains("in an earlier boot"),
-        "{}",
-        h.log_text()
-    );
-    pull(&h, &name).await.unwrap();
-    assert_eq!(status(&h, &name).await.unwrap().id, img.id());
-    assert!(layer_dir.join("fs").is_dir());
 }
 
 /// As containerd's CRI does: a pull records the image under its id, its repo tag and its repo

@@ -13,7 +13,6 @@
 pub mod hosts;
 mod pull;
 pub mod registry;
-mod sync;
 pub mod unpack;
 
 use std::collections::{HashMap, HashSet};
@@ -249,8 +248,6 @@ struct Inner {
     /// Where a collection moves what it removes, to delete it after giving its lock back.
     trash_dir: PathBuf,
     sweeps: AtomicU64,
-    /// Layer syncs, after their records (`image.sync_layers`).
-    syncer: sync::Syncer,
 }
 
 /// Runs one job at a time, and a request is answered by the first run to start after it
@@ -436,7 +433,6 @@ impl Images {
                 gc: Coalesced::default(),
                 trash_dir,
                 sweeps: AtomicU64::new(0),
-                syncer: sync::Syncer::new(),
             }),
         };
         images.remove_stale_unpacks()?;
@@ -624,7 +620,7 @@ impl Images {
     /// collects files no record owns.
     async fn reconcile(&self) -> Result<()> {
         let store = &self.inner.store;
-        let mut broken_snapshots = self.settle_unsynced()?;
+        let mut broken_snapshots = HashSet::new();
         for s in store.snapshots()? {
             if !self.snapshot_fs(&s.chain_id).is_dir() {
                 tracing::error!(chain_id = %s.chain_id, "snapshot directory missing; dropping its record");

@@ -8,13 +8,14 @@
 //! Across all pulls, downloads wait for one of `max_concurrent_downloads` slots and unpacks for one
 //! of `max_node_unpacks`, asked for once the layer's download is under way. An unpack waits for the
 //! layers below only when an entry's path must resolve through them (`unpack::unpack_layer_over`),
-//! and a layer is put in place only once the one below is. A layer is recorded as soon as it is in
-//! place, marked unsynced until a `syncfs` covers its files (`sync.rs`), so no pull waits for a
-//! sync. A task runs to completion even if every pull that asked for it is cancelled, so a
-//! half-written directory is never left to a dropped future.
+//! and a layer is put in place only once the one below is. The layer below need not be synced and
+//! recorded yet: its `syncfs` overlaps this unpack, and each layer is still recorded only after a
+//! sync that covers its files. A task runs to completion even if every pull that asked for it is
+//! cancelled, so a half-written directory is never left to a dropped future.
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -29,7 +30,7 @@ use tokio::io::AsyncWrite;
 
 use super::hosts::{self, Endpoint};
 use super::registry::{Credentials, Source};
-use super::{hex_of, sync, valid_digest, Images, Name};
+use super::{hex_of, valid_digest, Images, Name};
 use crate::error::{chain, Error, Result};
 use crate::store::{ImageRecord, SnapshotRecord, RECORD_VERSION};
 
@@ -843,22 +844,17 @@ impl LayerJob {
         if let Some(tx) = milestones.placed.take() {
             let _ = tx.send(Ok(()));
         }
-        // The layer's files, and the rename that put them in place, must be on disk before
-        // its record says it is complete, or a power loss leaves a "complete" layer of empty
-        // files: the record says so until a syncfs covers them (`sync.rs`), which runs after
-        // it, off the pull's path. syncfs, as containerd's image_pull_with_sync_fs does;
-        // fsync of every file cost more (docs/BENCHMARKS.md).
-        let unsynced = inner.config.sync_layers.then(|| inner.syncer.mark());
-        if let Some(None) = unsynced {
-            // No boot id to tell a later boot by: synced before the record.
+        if inner.config.sync_layers {
+            // The record below says the layer is complete: its files, and the rename that
+            // put them in place, must be on disk first, or a power loss leaves a "complete"
+            // layer of empty files. One syncfs per layer, as containerd's
+            // image_pull_with_sync_fs does; fsync of every file cost more (docs/BENCHMARKS.md).
             let dir = final_dir.clone();
-            tokio::task::spawn_blocking(move || sync::sync_filesystem(&dir))
+            tokio::task::spawn_blocking(move || sync_filesystem(&dir))
                 .await
                 .map_err(|e| Error::Internal(format!("sync task: {e}")))?
                 .map_err(|e| Error::io("sync snapshot", &final_dir, e))?;
         }
-        let unsynced = unsynced.flatten();
-        let token = unsynced.as_ref().map(|u| u.token);
         inner.store.put_snapshot(&SnapshotRecord {
             v: RECORD_VERSION,
             chain_id: self.chain_id.clone(),
@@ -866,12 +862,8 @@ impl LayerJob {
             parent: self.lowers.first().cloned(),
             usage_bytes: unpacked.usage_bytes,
             usage_inodes: unpacked.usage_inodes,
-            unsynced,
         })?;
         final_cleanup.disarm();
-        if let Some(token) = token {
-            sync::sync_later(inner, self.chain_id.clone(), token);
-        }
         let ms = |from: Instant, to: Instant| to.duration_since(from).as_millis() as u64;
         tracing::debug!(
             layer = %self.digest,
@@ -1007,6 +999,14 @@ impl std::io::Read for GrowingReader {
             }
         }
     }
+}
+
+/// Writes out everything of the filesystem holding `dir` (syncfs(2)): file data, inodes, and
+/// the directory entries of its renames.
+fn sync_filesystem(dir: &Path) -> std::io::Result<()> {
+    let f = std::fs::File::open(dir)?;
+    nix::unistd::syncfs(f.as_raw_fd())?;
+    Ok(())
 }
 
 /// A name part no other live writer uses.
