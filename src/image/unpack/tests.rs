@@ -1049,6 +1049,36 @@ fn hardlink_to_a_lower_file_under_an_opaque_dir_does_not_exist() {
     assert!(err.contains("does not exist"), "{err}");
 }
 
+/// A hard link to a directory, or to a name this layer whited out, is refused naming the
+/// entry and the cause, in the layer that made them as in a layer below (a link to the whiteout
+/// would make the link hide a lower file).
+#[test]
+fn hardlinks_to_this_layers_directories_and_whiteouts_are_refused() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    unpack(&tarball(&[E::File("gone", b"lower", 0o644)]), &l0, &[]).unwrap();
+    let cases: [(&[E], &str); 2] = [
+        (
+            &[E::Dir("d/", 0o755), E::Hardlink("x", "d")],
+            "hard link to directory \"d\"",
+        ),
+        (
+            &[E::File(".wh.gone", b"", 0o644), E::Hardlink("x", "gone")],
+            "hard link target \"gone\" does not exist",
+        ),
+    ];
+    for (i, (entries, want)) in cases.into_iter().enumerate() {
+        let err = unpack(
+            &tarball(entries),
+            &sb.layer(&format!("l1-{i}")),
+            std::slice::from_ref(&l0),
+        )
+        .map_err(|e| crate::error::chain(&e))
+        .unwrap_err();
+        assert!(err.contains(want) && err.contains("\"x\""), "{want}: {err}");
+    }
+}
+
 #[test]
 fn replacing_a_directory_removes_its_symlinks_without_following_them() {
     let sb = Sandbox::new();
