@@ -1079,6 +1079,46 @@ fn hardlinks_to_this_layers_directories_and_whiteouts_are_refused() {
     }
 }
 
+/// An entry's path may pass 40 symlinks, as the kernel allows; the 41st, or a loop, is
+/// refused naming the entry, and the unpack ends (a loop must not spin the unpack thread).
+#[test]
+fn symlink_chains_past_40_hops_and_loops_are_refused() {
+    let sb = Sandbox::new();
+    let names: Vec<String> = (0..=41).map(|i| format!("s{i}")).collect();
+    let chain = |links: usize| -> Vec<u8> {
+        let mut entries = vec![E::Dir("d/", 0o755)];
+        for i in 0..links {
+            let target = if i + 1 == links { "d" } else { &names[i + 1] };
+            entries.push(E::Symlink(&names[i], target));
+        }
+        entries.push(E::File("s0/f", b"1", 0o644));
+        tarball(&entries)
+    };
+    let l = sb.layer("forty");
+    unpack(&chain(40), &l, &[]).unwrap();
+    assert_eq!(fs::read(l.join("d/f")).unwrap(), b"1");
+    for (layer, t) in [
+        ("forty-one", chain(41)),
+        (
+            "loop",
+            tarball(&[
+                E::Symlink("a", "b"),
+                E::Symlink("b", "a"),
+                E::File("a/f", b"1", 0o644),
+            ]),
+        ),
+    ] {
+        let err = unpack(&t, &sb.layer(layer), &[])
+            .map_err(|e| crate::error::chain(&e))
+            .unwrap_err();
+        assert!(
+            err.contains("too many levels of symbolic links") && err.contains("/f\""),
+            "{layer}: {err}"
+        );
+    }
+    sb.assert_untouched();
+}
+
 #[test]
 fn replacing_a_directory_removes_its_symlinks_without_following_them() {
     let sb = Sandbox::new();
