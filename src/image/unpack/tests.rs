@@ -1119,6 +1119,33 @@ fn symlink_chains_past_40_hops_and_loops_are_refused() {
     sb.assert_untouched();
 }
 
+/// A directory this layer made opaque stays opaque when a symlink's `..` climbs back into it:
+/// a name it hides in the layers below (here a symlink) is not followed.
+#[test]
+fn an_opaque_directory_reached_again_through_dotdot_hides_the_layers_below() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    unpack(
+        &tarball(&[E::Dir("target/", 0o755), E::Symlink("o/s", "/target")]),
+        &l0,
+        &[],
+    )
+    .unwrap();
+    let l1 = sb.layer("l1");
+    let t = tarball(&[
+        E::File("o/.wh..wh..opq", b"", 0o644),
+        E::Dir("o/sub/", 0o755),
+        E::Symlink("o/sub/link", "../s"),
+        E::File("o/sub/link/f", b"1", 0o644),
+    ]);
+    unpack(&t, &l1, std::slice::from_ref(&l0)).unwrap();
+    assert_eq!(fs::read(l1.join("o/s/f")).unwrap(), b"1");
+    assert!(
+        !l1.join("target").exists(),
+        "the hidden lower symlink was followed"
+    );
+}
+
 #[test]
 fn replacing_a_directory_removes_its_symlinks_without_following_them() {
     let sb = Sandbox::new();
