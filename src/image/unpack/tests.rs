@@ -1146,6 +1146,60 @@ fn an_opaque_directory_reached_again_through_dotdot_hides_the_layers_below() {
     );
 }
 
+/// A directory this layer creates under an opaque parent, or over a whiteout, takes nothing
+/// from the lower directory it hides (not its mode), and hides the lower names below it (a
+/// lower symlink is not followed).
+#[test]
+fn directories_made_under_an_opaque_parent_or_over_a_whiteout_hide_the_layers_below() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    unpack(
+        &tarball(&[
+            E::Dir("o/d/", 0o700),
+            E::Dir("target/", 0o755),
+            E::Symlink("w/s", "/target"),
+        ]),
+        &l0,
+        &[],
+    )
+    .unwrap();
+    let l1 = sb.layer("l1");
+    let t = tarball(&[
+        E::File("o/.wh..wh..opq", b"", 0o644),
+        E::File("o/d/f", b"1", 0o644),
+        E::File(".wh.w", b"", 0o644),
+        E::File("w/s/f", b"2", 0o644),
+    ]);
+    unpack(&t, &l1, std::slice::from_ref(&l0)).unwrap();
+    let mode = |p: &str| fs::metadata(l1.join(p)).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode("o/d"), 0o755, "not the hidden lower directory's 0700");
+    assert_eq!(fs::read(l1.join("w/s/f")).unwrap(), b"2");
+    assert!(
+        !l1.join("target").exists(),
+        "the whited-out lower symlink was followed"
+    );
+}
+
+/// A hard link to a lower device node or FIFO copies it up with its mode.
+#[test]
+fn a_node_copied_up_for_a_hard_link_keeps_its_mode() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    unpack(&tarball(&[E::Fifo("p")]), &l0, &[]).unwrap();
+    let l1 = sb.layer("l1");
+    unpack(
+        &tarball(&[E::Hardlink("x", "p")]),
+        &l1,
+        std::slice::from_ref(&l0),
+    )
+    .unwrap();
+    for name in ["p", "x"] {
+        let m = fs::symlink_metadata(l1.join(name)).unwrap();
+        assert!(m.file_type().is_fifo(), "{name}");
+        assert_eq!(m.permissions().mode() & 0o7777, 0o640, "{name}");
+    }
+}
+
 #[test]
 fn replacing_a_directory_removes_its_symlinks_without_following_them() {
     let sb = Sandbox::new();
