@@ -1200,6 +1200,33 @@ fn a_node_copied_up_for_a_hard_link_keeps_its_mode() {
     }
 }
 
+/// A name the nearest layer below lacks is looked for in the layers under it, unless a
+/// directory of the nearest one is opaque: a hard link finds its target two layers down in
+/// the first case and nothing in the second.
+#[test]
+fn lookups_go_past_a_lower_layer_lacking_the_name_unless_it_is_opaque_there() {
+    let sb = Sandbox::new();
+    let l0 = sb.layer("l0");
+    unpack(&tarball(&[E::File("a/f", b"deep", 0o644)]), &l0, &[]).unwrap();
+    let plain = sb.layer("plain");
+    unpack(&tarball(&[E::File("a/g", b"1", 0o644)]), &plain, &[]).unwrap();
+    let opaque = sb.layer("opaque");
+    unpack(
+        &tarball(&[E::File("a/.wh..wh..opq", b"", 0o644)]),
+        &opaque,
+        std::slice::from_ref(&l0),
+    )
+    .unwrap();
+    let link = tarball(&[E::Hardlink("x", "a/f")]);
+    let top = sb.layer("over-plain");
+    unpack(&link, &top, &[plain.clone(), l0.clone()]).unwrap();
+    assert_eq!(fs::read(top.join("x")).unwrap(), b"deep");
+    let err = unpack(&link, &sb.layer("over-opaque"), &[opaque, l0])
+        .map_err(|e| crate::error::chain(&e))
+        .unwrap_err();
+    assert!(err.contains("does not exist"), "{err}");
+}
+
 #[test]
 fn replacing_a_directory_removes_its_symlinks_without_following_them() {
     let sb = Sandbox::new();
