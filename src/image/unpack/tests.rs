@@ -1201,10 +1201,10 @@ fn a_node_copied_up_for_a_hard_link_keeps_its_mode() {
 }
 
 /// A name the nearest layer below lacks is looked for in the layers under it, unless a
-/// directory of the nearest one is opaque: a hard link finds its target two layers down in
-/// the first case and nothing in the second.
+/// directory of the nearest one is opaque or whites the name out: a hard link finds its target
+/// two layers down in the first case and nothing in the others.
 #[test]
-fn lookups_go_past_a_lower_layer_lacking_the_name_unless_it_is_opaque_there() {
+fn lookups_go_past_a_lower_layer_lacking_the_name_unless_it_hides_it() {
     let sb = Sandbox::new();
     let l0 = sb.layer("l0");
     unpack(&tarball(&[E::File("a/f", b"deep", 0o644)]), &l0, &[]).unwrap();
@@ -1217,14 +1217,24 @@ fn lookups_go_past_a_lower_layer_lacking_the_name_unless_it_is_opaque_there() {
         std::slice::from_ref(&l0),
     )
     .unwrap();
+    let whited = sb.layer("whited");
+    unpack(
+        &tarball(&[E::File("a/.wh.f", b"", 0o644)]),
+        &whited,
+        std::slice::from_ref(&l0),
+    )
+    .unwrap();
     let link = tarball(&[E::Hardlink("x", "a/f")]);
     let top = sb.layer("over-plain");
     unpack(&link, &top, &[plain.clone(), l0.clone()]).unwrap();
     assert_eq!(fs::read(top.join("x")).unwrap(), b"deep");
-    let err = unpack(&link, &sb.layer("over-opaque"), &[opaque, l0])
-        .map_err(|e| crate::error::chain(&e))
-        .unwrap_err();
-    assert!(err.contains("does not exist"), "{err}");
+    // An opaque directory, or a whiteout of the name, in the nearest layer hides it.
+    for (name, nearest) in [("over-opaque", opaque), ("over-whiteout", whited)] {
+        let err = unpack(&link, &sb.layer(name), &[nearest, l0.clone()])
+            .map_err(|e| crate::error::chain(&e))
+            .unwrap_err();
+        assert!(err.contains("does not exist"), "{name}: {err}");
+    }
 }
 
 #[test]
