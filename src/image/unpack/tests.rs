@@ -1320,6 +1320,26 @@ fn names_longer_than_path_max_are_rejected() {
         .unwrap_err();
     assert!(err.contains("more than 4096"), "{err}");
     assert_eq!(fs::read_dir(&l).unwrap().count(), 0, "nothing created");
+    // The bound itself: a name of exactly 4096 bytes unpacks (20 directories of 200 bytes,
+    // then a 76-byte file name).
+    let exact = format!(
+        "{}{}",
+        format!("{}/", "a".repeat(200)).repeat(20),
+        "f".repeat(76)
+    );
+    assert_eq!(exact.len(), 4096);
+    let l = sb.layer("exact");
+    unpack(&tarball(&[E::File(&exact, b"x", 0o644)]), &l, &[]).unwrap();
+    // Walked a directory at a time: the whole path is longer than the kernel's path calls take.
+    let mut dir = fs::File::open(&l).unwrap();
+    let comps: Vec<&str> = exact.split('/').collect();
+    for c in &comps[..comps.len() - 1] {
+        dir = at::open_dir(&dir, OsStr::new(c)).unwrap();
+    }
+    let st = at::stat(&dir, OsStr::new(comps[comps.len() - 1]))
+        .unwrap()
+        .expect("the file at the end of the 4096-byte name");
+    assert_eq!(st.st_size, 1);
 }
 
 fn unpack_limited(tar: &[u8], dest: &Path, limits: Limits) -> Result<Unpacked, UnpackError> {
