@@ -26,6 +26,7 @@ DEFAULT=(
   src/image/hosts.rs
   src/inroot.rs
   src/pods/rootfs.rs
+  src/image/unpack.rs
 )
 
 base=""
