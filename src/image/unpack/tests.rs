@@ -179,6 +179,15 @@ impl Sandbox {
         p
     }
 
+    /// `lower` unpacked as layer `l0`, then `upper` as `l1` over it; both must succeed.
+    fn two_layers(&self, lower: &[E], upper: &[E]) -> PathBuf {
+        let l0 = self.layer("l0");
+        unpack(&tarball(lower), &l0, &[]).unwrap();
+        let l1 = self.layer("l1");
+        unpack(&tarball(upper), &l1, &[l0]).unwrap();
+        l1
+    }
+
     fn assert_untouched(&self) {
         self.canary.assert_untouched();
     }
@@ -1124,21 +1133,15 @@ fn symlink_chains_past_40_hops_and_loops_are_refused() {
 #[test]
 fn an_opaque_directory_reached_again_through_dotdot_hides_the_layers_below() {
     let sb = Sandbox::new();
-    let l0 = sb.layer("l0");
-    unpack(
-        &tarball(&[E::Dir("target/", 0o755), E::Symlink("o/s", "/target")]),
-        &l0,
-        &[],
-    )
-    .unwrap();
-    let l1 = sb.layer("l1");
-    let t = tarball(&[
-        E::File("o/.wh..wh..opq", b"", 0o644),
-        E::Dir("o/sub/", 0o755),
-        E::Symlink("o/sub/link", "../s"),
-        E::File("o/sub/link/f", b"1", 0o644),
-    ]);
-    unpack(&t, &l1, std::slice::from_ref(&l0)).unwrap();
+    let l1 = sb.two_layers(
+        &[E::Dir("target/", 0o755), E::Symlink("o/s", "/target")],
+        &[
+            E::File("o/.wh..wh..opq", b"", 0o644),
+            E::Dir("o/sub/", 0o755),
+            E::Symlink("o/sub/link", "../s"),
+            E::File("o/sub/link/f", b"1", 0o644),
+        ],
+    );
     assert_eq!(fs::read(l1.join("o/s/f")).unwrap(), b"1");
     assert!(
         !l1.join("target").exists(),
@@ -1152,25 +1155,19 @@ fn an_opaque_directory_reached_again_through_dotdot_hides_the_layers_below() {
 #[test]
 fn directories_made_under_an_opaque_parent_or_over_a_whiteout_hide_the_layers_below() {
     let sb = Sandbox::new();
-    let l0 = sb.layer("l0");
-    unpack(
-        &tarball(&[
+    let l1 = sb.two_layers(
+        &[
             E::Dir("o/d/", 0o700),
             E::Dir("target/", 0o755),
             E::Symlink("w/s", "/target"),
-        ]),
-        &l0,
-        &[],
-    )
-    .unwrap();
-    let l1 = sb.layer("l1");
-    let t = tarball(&[
-        E::File("o/.wh..wh..opq", b"", 0o644),
-        E::File("o/d/f", b"1", 0o644),
-        E::File(".wh.w", b"", 0o644),
-        E::File("w/s/f", b"2", 0o644),
-    ]);
-    unpack(&t, &l1, std::slice::from_ref(&l0)).unwrap();
+        ],
+        &[
+            E::File("o/.wh..wh..opq", b"", 0o644),
+            E::File("o/d/f", b"1", 0o644),
+            E::File(".wh.w", b"", 0o644),
+            E::File("w/s/f", b"2", 0o644),
+        ],
+    );
     let mode = |p: &str| fs::metadata(l1.join(p)).unwrap().permissions().mode() & 0o7777;
     assert_eq!(mode("o/d"), 0o755, "not the hidden lower directory's 0700");
     assert_eq!(fs::read(l1.join("w/s/f")).unwrap(), b"2");
@@ -1184,15 +1181,7 @@ fn directories_made_under_an_opaque_parent_or_over_a_whiteout_hide_the_layers_be
 #[test]
 fn a_node_copied_up_for_a_hard_link_keeps_its_mode() {
     let sb = Sandbox::new();
-    let l0 = sb.layer("l0");
-    unpack(&tarball(&[E::Fifo("p")]), &l0, &[]).unwrap();
-    let l1 = sb.layer("l1");
-    unpack(
-        &tarball(&[E::Hardlink("x", "p")]),
-        &l1,
-        std::slice::from_ref(&l0),
-    )
-    .unwrap();
+    let l1 = sb.two_layers(&[E::Fifo("p")], &[E::Hardlink("x", "p")]);
     for name in ["p", "x"] {
         let m = fs::symlink_metadata(l1.join(name)).unwrap();
         assert!(m.file_type().is_fifo(), "{name}");
