@@ -344,6 +344,15 @@ impl Drop for Lease {
     }
 }
 
+/// Deletes a directory of collected files; one already gone is fine, a failure is logged.
+fn delete_collected(p: &Path) {
+    match std::fs::remove_dir_all(p) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => tracing::warn!(path = %p.display(), error = %e, "cannot delete collected files"),
+    }
+}
+
 fn hex_of(digest: &str) -> &str {
     digest.strip_prefix("sha256:").unwrap_or(digest)
 }
@@ -402,13 +411,7 @@ impl Images {
         let ingest_dir = root.join("ingest");
         let trash_dir = root.join("trash");
         // What an earlier daemon's collections had not finished deleting.
-        match std::fs::remove_dir_all(&trash_dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(path = %trash_dir.display(), error = %e, "cannot delete collected files")
-            }
-        }
+        delete_collected(&trash_dir);
         for d in [&content_dir, &snapshots_dir, &trash_dir] {
             std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
         }
@@ -706,17 +709,10 @@ impl Images {
                 return;
             };
             for e in entries.flatten() {
-                let p = e.path();
                 if e.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) > Some(sweep) {
                     continue;
                 }
-                match std::fs::remove_dir_all(&p) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(e) => {
-                        tracing::warn!(path = %p.display(), error = %e, "cannot delete collected files")
-                    }
-                }
+                delete_collected(&e.path());
             }
         })
         .await;
