@@ -1197,6 +1197,109 @@ async fn a_failed_layer_stops_the_download_above_it() {
     wait_until("no ingest file left", || ingest_files(&h).is_empty()).await;
 }
 
+/// A layer the disk failed to write out is not recorded as complete, even when another sync
+/// on the filesystem saw the error first (a sync for another pull, say). syncfs(2) reports a
+/// writeback error to every descriptor opened before it, but to one opened later only while
+/// nobody has seen it: hako's sync must use a descriptor opened before the layer's writes.
+/// The disk: ext4 in a sparse file on a 16 MiB tmpfs, which the layer's 48 MiB overflow; a
+/// thread syncs the filesystem until it sees the error, then grows the tmpfs so later writes
+/// succeed and only the earlier, already seen error tells of the loss.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layer_the_disk_lost_is_not_recorded() {
+    if !support::e2e_ready(&[support::registry::REGISTRY_BIN, "mkfs.ext4"]) {
+        return;
+    }
+    let reg = Registry::start();
+    let layer = Layer::new(
+        &oci::marker_tar("lost", &oci::noise(0x1057, 48 << 20)),
+        Compression::None,
+        false,
+    );
+    let img = Image::new(vec![layer], &ImageConf::default(), false);
+    Pusher::new(&reg.addr).push("lost/img", "1", &img).await;
+    let disk = std::sync::Arc::new(std::sync::Mutex::new(std::path::PathBuf::new()));
+    let h = Hako::start_prepared("", |dir| {
+        let (backing, root) = (dir.join("disk"), dir.join("root"));
+        std::fs::create_dir_all(&backing).unwrap();
+        std::fs::create_dir_all(&root).unwrap();
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new(args[0])
+                .args(&args[1..])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{args:?}: {out:?}");
+        };
+        let b = backing.to_str().unwrap();
+        let file = format!("{b}/ext4.img");
+        run(&["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", b]);
+        run(&["truncate", "-s", "512M", &file]);
+        // No journal: only the writes that failed are lost, not every later commit. Inode
+        // tables written now, not by a lazy-init thread filling the tmpfs later.
+        run(&[
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-O",
+            "^has_journal",
+            "-N",
+            "8192",
+            "-E",
+            "lazy_itable_init=0,nodiscard",
+            &file,
+        ]);
+        run(&[
+            "mount",
+            "-o",
+            "loop,errors=continue",
+            &file,
+            root.to_str().unwrap(),
+        ]);
+        *disk.lock().unwrap() = backing;
+    });
+    let backing = disk.lock().unwrap().clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (root, stop) = (h.root.clone(), stop.clone());
+        std::thread::spawn(move || {
+            use std::os::fd::AsRawFd;
+            let fs = std::fs::File::open(&root).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Err(e) = nix::unistd::syncfs(fs.as_raw_fd()) {
+                    let grown = std::process::Command::new("mount")
+                        .args(["-o", "remount,size=1g"])
+                        .arg(&backing)
+                        .status()
+                        .unwrap();
+                    assert!(grown.success());
+                    return Some(e);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            None
+        })
+    };
+    let r = tokio::time::timeout(
+        Duration::from_secs(60),
+        pull_with(&h, &format!("{}/lost/img:1", reg.addr), Default::default()),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("the pull did not answer\n{}", h.log_text()));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = watcher.join().unwrap();
+    eprintln!("the other sync saw: {seen:?}; the pull answered: {r:?}");
+    assert!(
+        seen.is_some(),
+        "the writes never failed: the test's disk did not overflow"
+    );
+    let err = r.expect_err("a pull whose layer the disk lost");
+    assert!(err.message().contains("sync snapshot"), "{err:?}");
+    assert!(status(&h, &format!("{}/lost/img:1", reg.addr))
+        .await
+        .is_none());
+    assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
+    assert!(tmp_unpacks(&h).is_empty(), "{:?}", tmp_unpacks(&h));
+}
+
 /// A tar of one one-byte file whose name is written raw (up to 100 bytes), below the tar
 /// builder's own checks.
 fn raw_entry_tar(name: &str) -> Vec<u8> {

@@ -15,7 +15,7 @@
 
 use std::future::Future;
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -658,6 +658,19 @@ impl LayerJob {
             unique()
         ));
         let mut tmp_cleanup = Cleanup(Some(tmp.clone()));
+        // Opened before this layer writes a byte: syncfs reports a writeback error to every
+        // descriptor opened before the error, but to one opened later only while nobody has
+        // reported it yet. Opened after the unpack, the sync would miss an error in this
+        // layer's files that another layer's sync (another pull's, even) had already seen,
+        // and record the layer as complete.
+        let sync_handle = if inner.config.sync_layers {
+            Some(
+                std::fs::File::open(&inner.snapshots_dir)
+                    .map_err(|e| Error::io("open", &inner.snapshots_dir, e))?,
+            )
+        } else {
+            None
+        };
         let below_failed =
             |e: Arc<Error>| duplicate(&e).context(format!("layer below {}", self.digest));
         // A layer is put in place only on top of the layer below: once that failed, nothing
@@ -844,16 +857,17 @@ impl LayerJob {
         if let Some(tx) = milestones.placed.take() {
             let _ = tx.send(Ok(()));
         }
-        if inner.config.sync_layers {
+        if let Some(handle) = sync_handle {
             // The record below says the layer is complete: its files, and the rename that
             // put them in place, must be on disk first, or a power loss leaves a "complete"
             // layer of empty files. One syncfs per layer, as containerd's
             // image_pull_with_sync_fs does; fsync of every file cost more (docs/BENCHMARKS.md).
-            let dir = final_dir.clone();
-            tokio::task::spawn_blocking(move || sync_filesystem(&dir))
-                .await
-                .map_err(|e| Error::Internal(format!("sync task: {e}")))?
-                .map_err(|e| Error::io("sync snapshot", &final_dir, e))?;
+            tokio::task::spawn_blocking(move || {
+                nix::unistd::syncfs(handle.as_raw_fd()).map_err(std::io::Error::from)
+            })
+            .await
+            .map_err(|e| Error::Internal(format!("sync task: {e}")))?
+            .map_err(|e| Error::io("sync snapshot", &final_dir, e))?;
         }
         inner.store.put_snapshot(&SnapshotRecord {
             v: RECORD_VERSION,
@@ -999,14 +1013,6 @@ impl std::io::Read for GrowingReader {
             }
         }
     }
-}
-
-/// Writes out everything of the filesystem holding `dir` (syncfs(2)): file data, inodes, and
-/// the directory entries of its renames.
-fn sync_filesystem(dir: &Path) -> std::io::Result<()> {
-    let f = std::fs::File::open(dir)?;
-    nix::unistd::syncfs(f.as_raw_fd())?;
-    Ok(())
 }
 
 /// A name part no other live writer uses.

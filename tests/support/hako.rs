@@ -54,8 +54,24 @@ impl Hako {
         Self::start_with(extra, "state", env)
     }
 
+    /// As `start`, with `prepare` run on the temp dir before the daemon starts (to mount a
+    /// filesystem of the test's own at `<dir>/root`, say; `drop` unmounts what is under it).
+    pub fn start_prepared(extra: &str, prepare: impl FnOnce(&std::path::Path)) -> Hako {
+        Self::start_inner(extra, "state", &[], prepare)
+    }
+
     fn start_with(extra: &str, state: &str, env: &[(&str, &str)]) -> Hako {
+        Self::start_inner(extra, state, env, |_| {})
+    }
+
+    fn start_inner(
+        extra: &str,
+        state: &str,
+        env: &[(&str, &str)],
+        prepare: impl FnOnce(&std::path::Path),
+    ) -> Hako {
         let dir = tempfile::tempdir().unwrap();
+        prepare(dir.path());
         let root = dir.path().join("root");
         let certs_d = dir.path().join("certs.d");
         std::fs::create_dir_all(&certs_d).unwrap();
