@@ -875,221 +875,308 @@ mod tests {
         assert_eq!(store.pinned().unwrap(), kept.chain_ids);
     }
 
+    /// A test body that waits by polling, bounded: a broken `Coalesced` fails the test
+    /// instead of keeping it spinning for ever.
+    async fn bounded<T>(body: impl Future<Output = T>) -> T {
+        tokio::time::timeout(std::time::Duration::from_secs(20), body)
+            .await
+            .expect("the test did not end within 20 s: one of its waits never ended")
+    }
+
     /// A collection holds its lock (which pulls and creates wait for) while it chooses and
     /// moves what it removes, not while it deletes it; its deletion also takes what earlier
     /// ones left, and what a daemon died before deleting goes at the next start.
     #[tokio::test]
     async fn a_collection_deletes_what_it_removed_after_giving_its_lock_back() {
+        bounded(async {
+            let dir = tempfile::tempdir().unwrap();
+            let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
+            let open = || {
+                Images::open(
+                    dir.path(),
+                    store.clone(),
+                    dir.path().join("certs.d"),
+                    ImageConfig::default(),
+                )
+            };
+            let images = open().await.unwrap();
+            let layer = images.snapshot_fs(&format!("sha256:{}", "a".repeat(64)));
+            std::fs::create_dir_all(layer.join("usr/bin")).unwrap();
+            std::fs::write(layer.join("usr/bin/tool"), b"x").unwrap();
+            let blob = images.content_path(&format!("sha256:{}", "b".repeat(64)));
+            std::fs::write(&blob, b"blob").unwrap();
+            let trash = images.inner.trash_dir.clone();
+            let in_trash = || {
+                let mut v: Vec<String> = std::fs::read_dir(&trash)
+                    .unwrap()
+                    .flat_map(|run| std::fs::read_dir(run.unwrap().path()).unwrap())
+                    .map(|e| e.unwrap().file_name().into_string().unwrap())
+                    .collect();
+                v.sort();
+                v
+            };
+
+            // The deletion held back: the lock is free while the files wait in the trash.
+            let (go, hold) = tokio::sync::oneshot::channel::<()>();
+            let run = tokio::spawn({
+                let (a, b) = (images.clone(), images.clone());
+                async move {
+                    let gc = &a.inner.gc;
+                    gc.run(
+                        || a.collect(),
+                        |sweep| async move {
+                            hold.await.unwrap();
+                            b.empty_trash(sweep).await
+                        },
+                    )
+                    .await
+                    .unwrap()
+                }
+            });
+            while in_trash().len() < 2 || images.inner.gc.answered.try_lock().is_err() {
+                tokio::task::yield_now().await;
+            }
+            assert!(!layer.exists() && !blob.exists());
+            assert_eq!(
+                in_trash(),
+                [
+                    format!("c-{}", "b".repeat(64)),
+                    format!("s-{}", "a".repeat(64))
+                ]
+            );
+            go.send(()).unwrap();
+            assert!(run.await.unwrap());
+            assert!(in_trash().is_empty(), "{:?}", in_trash());
+
+            // A leftover of an earlier collection goes with the next one's deletion.
+            std::fs::create_dir_all(trash.join("0/s-left")).unwrap();
+            std::fs::write(&blob, b"blob").unwrap();
+            images.gc().await.unwrap();
+            assert!(!blob.exists());
+            assert_eq!(std::fs::read_dir(&trash).unwrap().count(), 0);
+
+            std::fs::create_dir_all(trash.join("7/s-left")).unwrap();
+            drop(images);
+            let _images = open().await.unwrap();
+            assert!(
+                !trash.join("7").exists(),
+                "a start deletes an earlier daemon's trash"
+            );
+        })
+        .await;
+    }
+
+    /// A collection takes only what nothing uses: the files and records of an image's layers,
+    /// of a container's pinned layer and of an unpack under way stay, the rest goes.
+    #[tokio::test]
+    async fn a_collection_keeps_what_images_pins_and_unpacks_use() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
-        let open = || {
-            Images::open(
-                dir.path(),
-                store.clone(),
-                dir.path().join("certs.d"),
-                ImageConfig::default(),
-            )
+        let images = Images::open(
+            dir.path(),
+            store.clone(),
+            dir.path().join("certs.d"),
+            ImageConfig::default(),
+        )
+        .await
+        .unwrap();
+        let digest = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+        let img = ImageRecord {
+            v: crate::store::RECORD_VERSION,
+            id: digest('c'),
+            repo_tags: vec![],
+            repo_digests: vec![],
+            manifest_digest: digest('d'),
+            size: 0,
+            chain_ids: vec![digest('e')],
+            user: String::new(),
+            pulled_at: 0,
         };
-        let images = open().await.unwrap();
-        let layer = images.snapshot_fs(&format!("sha256:{}", "a".repeat(64)));
-        std::fs::create_dir_all(layer.join("usr/bin")).unwrap();
-        std::fs::write(layer.join("usr/bin/tool"), b"x").unwrap();
-        let blob = images.content_path(&format!("sha256:{}", "b".repeat(64)));
-        std::fs::write(&blob, b"blob").unwrap();
-        let trash = images.inner.trash_dir.clone();
-        let in_trash = || {
-            let mut v: Vec<String> = std::fs::read_dir(&trash)
-                .unwrap()
-                .flat_map(|run| std::fs::read_dir(run.unwrap().path()).unwrap())
-                .map(|e| e.unwrap().file_name().into_string().unwrap())
-                .collect();
-            v.sort();
-            v
-        };
-
-        // The deletion held back: the lock is free while the files wait in the trash.
-        let (go, hold) = tokio::sync::oneshot::channel::<()>();
-        let run = tokio::spawn({
-            let (a, b) = (images.clone(), images.clone());
-            async move {
-                let gc = &a.inner.gc;
-                gc.run(
-                    || a.collect(),
-                    |sweep| async move {
-                        hold.await.unwrap();
-                        b.empty_trash(sweep).await
-                    },
-                )
-                .await
-                .unwrap()
-            }
-        });
-        while in_trash().len() < 2 || images.inner.gc.answered.try_lock().is_err() {
-            tokio::task::yield_now().await;
+        store.put_image(&img).unwrap();
+        store.pin("c1", &[digest('f')]).unwrap();
+        for c in ['c', 'd', 'h'] {
+            std::fs::write(images.content_path(&digest(c)), b"x").unwrap();
         }
-        assert!(!layer.exists() && !blob.exists());
-        assert_eq!(
-            in_trash(),
-            [
-                format!("c-{}", "b".repeat(64)),
-                format!("s-{}", "a".repeat(64))
-            ]
-        );
-        go.send(()).unwrap();
-        assert!(run.await.unwrap());
-        assert!(in_trash().is_empty(), "{:?}", in_trash());
+        for c in ['e', 'f', 'g'] {
+            std::fs::create_dir_all(images.snapshot_fs(&digest(c))).unwrap();
+            store
+                .put_snapshot(&crate::store::SnapshotRecord {
+                    v: crate::store::RECORD_VERSION,
+                    chain_id: digest(c),
+                    diff_id: digest(c),
+                    parent: None,
+                    usage_bytes: 0,
+                    usage_inodes: 0,
+                })
+                .unwrap();
+        }
+        let unpacking = images.inner.snapshots_dir.join("tmp-eeee-1");
+        std::fs::create_dir_all(&unpacking).unwrap();
 
-        // A leftover of an earlier collection goes with the next one's deletion.
-        std::fs::create_dir_all(trash.join("0/s-left")).unwrap();
-        std::fs::write(&blob, b"blob").unwrap();
         images.gc().await.unwrap();
-        assert!(!blob.exists());
-        assert_eq!(std::fs::read_dir(&trash).unwrap().count(), 0);
-
-        std::fs::create_dir_all(trash.join("7/s-left")).unwrap();
-        drop(images);
-        let _images = open().await.unwrap();
+        for c in ['c', 'd'] {
+            assert!(images.content_path(&digest(c)).exists(), "content {c}");
+        }
+        assert!(!images.content_path(&digest('h')).exists());
+        for c in ['e', 'f'] {
+            assert!(images.snapshot_fs(&digest(c)).exists(), "snapshot {c}");
+        }
+        assert!(!images.snapshot_dir(&digest('g')).exists());
         assert!(
-            !trash.join("7").exists(),
-            "a start deletes an earlier daemon's trash"
+            unpacking.exists(),
+            "an unpack under way keeps its directory"
         );
+        let mut recorded: Vec<String> = store
+            .snapshots()
+            .unwrap()
+            .into_iter()
+            .map(|s| s.chain_id)
+            .collect();
+        recorded.sort();
+        assert_eq!(recorded, [digest('e'), digest('f')]);
     }
 
     /// A request answered by another run's job answers when that run's `then` has ended,
     /// and the lock is free meanwhile.
     #[tokio::test]
     async fn a_request_answered_by_another_run_waits_for_its_then() {
-        let c = Arc::new(Coalesced::default());
-        let (go_job, hold_job) = tokio::sync::oneshot::channel::<()>();
-        let first = tokio::spawn({
-            let c = c.clone();
-            async move {
-                let job = move || async move {
-                    hold_job.await.unwrap();
-                    Ok(())
-                };
-                c.run(job, |()| async {}).await.unwrap()
+        bounded(async {
+            let c = Arc::new(Coalesced::default());
+            let (go_job, hold_job) = tokio::sync::oneshot::channel::<()>();
+            let first = tokio::spawn({
+                let c = c.clone();
+                async move {
+                    let job = move || async move {
+                        hold_job.await.unwrap();
+                        Ok(())
+                    };
+                    c.run(job, |()| async {}).await.unwrap()
+                }
+            });
+            while c.asked.load(Ordering::SeqCst) < 1 || c.answered.try_lock().is_ok() {
+                tokio::task::yield_now().await;
             }
-        });
-        while c.asked.load(Ordering::SeqCst) < 1 || c.answered.try_lock().is_ok() {
-            tokio::task::yield_now().await;
-        }
-        let (go_then, hold_then) = tokio::sync::oneshot::channel::<()>();
-        let second = tokio::spawn({
-            let c = c.clone();
-            async move {
-                let then = move |()| async move { hold_then.await.unwrap() };
-                c.run(|| async { Ok(()) }, then).await.unwrap()
+            let (go_then, hold_then) = tokio::sync::oneshot::channel::<()>();
+            let second = tokio::spawn({
+                let c = c.clone();
+                async move {
+                    let then = move |()| async move { hold_then.await.unwrap() };
+                    c.run(|| async { Ok(()) }, then).await.unwrap()
+                }
+            });
+            while c.asked.load(Ordering::SeqCst) < 2 {
+                tokio::task::yield_now().await;
             }
-        });
-        while c.asked.load(Ordering::SeqCst) < 2 {
-            tokio::task::yield_now().await;
-        }
-        let third = tokio::spawn({
-            let c = c.clone();
-            async move {
-                let job = || async { panic!("answered by the second run") };
-                c.run(job, |()| async {}).await.unwrap()
+            let third = tokio::spawn({
+                let c = c.clone();
+                async move {
+                    let job = || async { panic!("answered by the second run") };
+                    c.run(job, |()| async {}).await.unwrap()
+                }
+            });
+            while c.asked.load(Ordering::SeqCst) < 3 {
+                tokio::task::yield_now().await;
             }
-        });
-        while c.asked.load(Ordering::SeqCst) < 3 {
-            tokio::task::yield_now().await;
-        }
-        go_job.send(()).unwrap();
-        assert!(first.await.unwrap());
-        // The second run's job answered the third request; its `then` is held.
-        while *c.answered.lock().await < 3 {
-            tokio::task::yield_now().await;
-        }
-        for _ in 0..20 {
-            tokio::task::yield_now().await;
-        }
-        assert!(c.answered.try_lock().is_ok(), "the lock is free");
-        assert!(
-            !third.is_finished(),
-            "answered only once the then has ended"
-        );
-        go_then.send(()).unwrap();
-        assert!(second.await.unwrap());
-        assert!(!third.await.unwrap());
+            go_job.send(()).unwrap();
+            assert!(first.await.unwrap());
+            // The second run's job answered the third request; its `then` is held.
+            while *c.answered.lock().await < 3 {
+                tokio::task::yield_now().await;
+            }
+            for _ in 0..20 {
+                tokio::task::yield_now().await;
+            }
+            assert!(c.answered.try_lock().is_ok(), "the lock is free");
+            assert!(
+                !third.is_finished(),
+                "answered only once the then has ended"
+            );
+            go_then.send(()).unwrap();
+            assert!(second.await.unwrap());
+            assert!(!third.await.unwrap());
+        })
+        .await;
     }
 
     #[tokio::test]
     async fn requests_made_while_a_run_is_under_way_share_the_next_run() {
-        let c = Arc::new(Coalesced::default());
-        let runs = Arc::new(AtomicU64::new(0));
-        let job = |runs: Arc<AtomicU64>, hold: Option<tokio::sync::oneshot::Receiver<()>>| {
-            move || async move {
-                runs.fetch_add(1, Ordering::SeqCst);
-                if let Some(hold) = hold {
-                    hold.await.unwrap();
+        bounded(async {
+            let c = Arc::new(Coalesced::default());
+            let runs = Arc::new(AtomicU64::new(0));
+            let job = |runs: Arc<AtomicU64>, hold: Option<tokio::sync::oneshot::Receiver<()>>| {
+                move || async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    if let Some(hold) = hold {
+                        hold.await.unwrap();
+                    }
+                    Ok(())
                 }
-                Ok(())
+            };
+            let (go, hold) = tokio::sync::oneshot::channel();
+            let first = tokio::spawn({
+                let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
+                async move { c.run(job, |()| async {}).await.unwrap() }
+            });
+            while runs.load(Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
             }
-        };
-        let (go, hold) = tokio::sync::oneshot::channel();
-        let first = tokio::spawn({
-            let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
-            async move { c.run(job, |()| async {}).await.unwrap() }
-        });
-        while runs.load(Ordering::SeqCst) == 0 {
-            tokio::task::yield_now().await;
-        }
-        let waiting: Vec<_> = (0..4)
-            .map(|_| {
+            let waiting: Vec<_> = (0..4)
+                .map(|_| {
+                    let (c, job) = (c.clone(), job(runs.clone(), None));
+                    tokio::spawn(async move { c.run(job, |()| async {}).await.unwrap() })
+                })
+                .collect();
+            while c.asked.load(Ordering::SeqCst) < 5 {
+                tokio::task::yield_now().await;
+            }
+            go.send(()).unwrap();
+            assert!(first.await.unwrap());
+            let mut ran = 0;
+            for w in waiting {
+                ran += usize::from(w.await.unwrap());
+            }
+            assert_eq!(
+                ran, 1,
+                "one run answers the four requests made during the first"
+            );
+            assert_eq!(runs.load(Ordering::SeqCst), 2);
+            // A failed run answers nothing: of two requests made while another run held the
+            // lock, the first runs and fails (the lock is fair), and the second still runs.
+            let (go, hold) = tokio::sync::oneshot::channel();
+            let holder = tokio::spawn({
+                let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
+                async move { c.run(job, |()| async {}).await.unwrap() }
+            });
+            while c.asked.load(Ordering::SeqCst) < 6 {
+                tokio::task::yield_now().await;
+            }
+            let failing = tokio::spawn({
+                let c = c.clone();
+                async move {
+                    c.run(
+                        || async { Err::<(), _>(Error::Internal("collection failed".into())) },
+                        |()| async {},
+                    )
+                    .await
+                }
+            });
+            while c.asked.load(Ordering::SeqCst) < 7 {
+                tokio::task::yield_now().await;
+            }
+            let after = tokio::spawn({
                 let (c, job) = (c.clone(), job(runs.clone(), None));
-                tokio::spawn(async move { c.run(job, |()| async {}).await.unwrap() })
-            })
-            .collect();
-        while c.asked.load(Ordering::SeqCst) < 5 {
-            tokio::task::yield_now().await;
-        }
-        go.send(()).unwrap();
-        assert!(first.await.unwrap());
-        let mut ran = 0;
-        for w in waiting {
-            ran += usize::from(w.await.unwrap());
-        }
-        assert_eq!(
-            ran, 1,
-            "one run answers the four requests made during the first"
-        );
-        assert_eq!(runs.load(Ordering::SeqCst), 2);
-        // A failed run answers nothing: of two requests made while another run held the
-        // lock, the first runs and fails (the lock is fair), and the second still runs.
-        let (go, hold) = tokio::sync::oneshot::channel();
-        let holder = tokio::spawn({
-            let (c, job) = (c.clone(), job(runs.clone(), Some(hold)));
-            async move { c.run(job, |()| async {}).await.unwrap() }
-        });
-        while c.asked.load(Ordering::SeqCst) < 6 {
-            tokio::task::yield_now().await;
-        }
-        let failing = tokio::spawn({
-            let c = c.clone();
-            async move {
-                c.run(
-                    || async { Err::<(), _>(Error::Internal("collection failed".into())) },
-                    |()| async {},
-                )
-                .await
+                async move { c.run(job, |()| async {}).await.unwrap() }
+            });
+            while c.asked.load(Ordering::SeqCst) < 8 {
+                tokio::task::yield_now().await;
             }
-        });
-        while c.asked.load(Ordering::SeqCst) < 7 {
-            tokio::task::yield_now().await;
-        }
-        let after = tokio::spawn({
-            let (c, job) = (c.clone(), job(runs.clone(), None));
-            async move { c.run(job, |()| async {}).await.unwrap() }
-        });
-        while c.asked.load(Ordering::SeqCst) < 8 {
-            tokio::task::yield_now().await;
-        }
-        go.send(()).unwrap();
-        assert!(holder.await.unwrap());
-        assert!(failing.await.unwrap().is_err());
-        assert!(after.await.unwrap(), "the request after the failed run ran");
-        assert_eq!(runs.load(Ordering::SeqCst), 4);
+            go.send(()).unwrap();
+            assert!(holder.await.unwrap());
+            assert!(failing.await.unwrap().is_err());
+            assert!(after.await.unwrap(), "the request after the failed run ran");
+            assert_eq!(runs.load(Ordering::SeqCst), 4);
+        })
+        .await;
     }
 
     /// An image config with `config` as its config section (`None`: no section at all).
