@@ -1298,6 +1298,7 @@ async fn a_layer_the_disk_lost_is_not_recorded() {
         .is_none());
     assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
     assert!(tmp_unpacks(&h).is_empty(), "{:?}", tmp_unpacks(&h));
+    wait_until("no ingest file left", || ingest_files(&h).is_empty()).await;
 }
 
 /// A tar of one one-byte file whose name is written raw (up to 100 bytes), below the tar

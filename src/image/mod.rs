@@ -813,74 +813,77 @@ impl Images {
 mod tests {
     use super::*;
 
+    /// A test body that waits by polling, bounded: a broken `Coalesced` fails the test
+    /// instead of keeping it spinning for ever.
+    async fn bounded<T>(body: impl Future<Output = T>) -> T {
+        tokio::time::timeout(std::time::Duration::from_secs(10), body)
+            .await
+            .expect("the test did not end within 10 s: one of its waits never ended")
+    }
+
     /// A container's pin waits for a collection under way, and refuses an image removed
     /// meanwhile: that collection may be sweeping its layers.
     #[tokio::test]
     async fn a_pin_waits_for_a_collection_and_refuses_a_removed_image() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
-        let images = Images::open(
-            dir.path(),
-            store.clone(),
-            dir.path().join("certs.d"),
-            ImageConfig::default(),
-        )
-        .await
-        .unwrap();
-        let record = |id: &str| ImageRecord {
-            v: crate::store::RECORD_VERSION,
-            id: id.into(),
-            repo_tags: vec![],
-            repo_digests: vec![],
-            manifest_digest: format!("{id}-manifest"),
-            size: 0,
-            chain_ids: vec![format!("{id}-layer")],
-            user: String::new(),
-            pulled_at: 0,
-        };
-        let (kept, removed) = (record("sha256:kept"), record("sha256:removed"));
-        store.put_image(&kept).unwrap();
-        store.put_image(&removed).unwrap();
-        std::fs::write(
-            images.content_path(&kept.id),
-            config_doc(Some(serde_json::json!({"User": "7"}))),
-        )
-        .unwrap();
-        // A collection under way (its lock held), and the image removed meanwhile.
-        let collecting = images.inner.gc.exclusive().await;
-        let pin = tokio::spawn({
-            let (images, removed) = (images.clone(), removed.clone());
-            async move { images.pin("c1", &[&removed], &removed.chain_ids).await }
-        });
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-        assert!(!pin.is_finished(), "the pin waits for the collection");
-        store.remove_image(&removed.id).unwrap();
-        drop(collecting);
-        // NOT_FOUND, not the I/O error of reading the config file its collection removed.
-        match pin.await.unwrap() {
-            Err(Error::NotFound(m)) => assert!(
-                m.contains("image sha256:removed was removed while container c1"),
-                "{m}"
-            ),
-            other => panic!("{other:?}"),
-        }
-        assert!(store.pinned().unwrap().is_empty());
-        let config = images.pin("c2", &[&kept], &kept.chain_ids).await.unwrap();
-        assert_eq!(
-            config.config().as_ref().unwrap().user().as_deref(),
-            Some("7")
-        );
-        assert_eq!(store.pinned().unwrap(), kept.chain_ids);
-    }
-
-    /// A test body that waits by polling, bounded: a broken `Coalesced` fails the test
-    /// instead of keeping it spinning for ever.
-    async fn bounded<T>(body: impl Future<Output = T>) -> T {
-        tokio::time::timeout(std::time::Duration::from_secs(20), body)
+        bounded(async {
+            let dir = tempfile::tempdir().unwrap();
+            let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
+            let images = Images::open(
+                dir.path(),
+                store.clone(),
+                dir.path().join("certs.d"),
+                ImageConfig::default(),
+            )
             .await
-            .expect("the test did not end within 20 s: one of its waits never ended")
+            .unwrap();
+            let record = |id: &str| ImageRecord {
+                v: crate::store::RECORD_VERSION,
+                id: id.into(),
+                repo_tags: vec![],
+                repo_digests: vec![],
+                manifest_digest: format!("{id}-manifest"),
+                size: 0,
+                chain_ids: vec![format!("{id}-layer")],
+                user: String::new(),
+                pulled_at: 0,
+            };
+            let (kept, removed) = (record("sha256:kept"), record("sha256:removed"));
+            store.put_image(&kept).unwrap();
+            store.put_image(&removed).unwrap();
+            std::fs::write(
+                images.content_path(&kept.id),
+                config_doc(Some(serde_json::json!({"User": "7"}))),
+            )
+            .unwrap();
+            // A collection under way (its lock held), and the image removed meanwhile.
+            let collecting = images.inner.gc.exclusive().await;
+            let pin = tokio::spawn({
+                let (images, removed) = (images.clone(), removed.clone());
+                async move { images.pin("c1", &[&removed], &removed.chain_ids).await }
+            });
+            for _ in 0..10 {
+                tokio::task::yield_now().await;
+            }
+            assert!(!pin.is_finished(), "the pin waits for the collection");
+            store.remove_image(&removed.id).unwrap();
+            drop(collecting);
+            // NOT_FOUND, not the I/O error of reading the config file its collection removed.
+            match pin.await.unwrap() {
+                Err(Error::NotFound(m)) => assert!(
+                    m.contains("image sha256:removed was removed while container c1"),
+                    "{m}"
+                ),
+                other => panic!("{other:?}"),
+            }
+            assert!(store.pinned().unwrap().is_empty());
+            let config = images.pin("c2", &[&kept], &kept.chain_ids).await.unwrap();
+            assert_eq!(
+                config.config().as_ref().unwrap().user().as_deref(),
+                Some("7")
+            );
+            assert_eq!(store.pinned().unwrap(), kept.chain_ids);
+        })
+        .await;
     }
 
     /// A collection holds its lock (which pulls and creates wait for) while it chooses and
@@ -970,70 +973,73 @@ mod tests {
     /// of a container's pinned layer and of an unpack under way stay, the rest goes.
     #[tokio::test]
     async fn a_collection_keeps_what_images_pins_and_unpacks_use() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
-        let images = Images::open(
-            dir.path(),
-            store.clone(),
-            dir.path().join("certs.d"),
-            ImageConfig::default(),
-        )
-        .await
-        .unwrap();
-        let digest = |c: char| format!("sha256:{}", c.to_string().repeat(64));
-        let img = ImageRecord {
-            v: crate::store::RECORD_VERSION,
-            id: digest('c'),
-            repo_tags: vec![],
-            repo_digests: vec![],
-            manifest_digest: digest('d'),
-            size: 0,
-            chain_ids: vec![digest('e')],
-            user: String::new(),
-            pulled_at: 0,
-        };
-        store.put_image(&img).unwrap();
-        store.pin("c1", &[digest('f')]).unwrap();
-        for c in ['c', 'd', 'h'] {
-            std::fs::write(images.content_path(&digest(c)), b"x").unwrap();
-        }
-        for c in ['e', 'f', 'g'] {
-            std::fs::create_dir_all(images.snapshot_fs(&digest(c))).unwrap();
-            store
-                .put_snapshot(&crate::store::SnapshotRecord {
-                    v: crate::store::RECORD_VERSION,
-                    chain_id: digest(c),
-                    diff_id: digest(c),
-                    parent: None,
-                    usage_bytes: 0,
-                    usage_inodes: 0,
-                })
-                .unwrap();
-        }
-        let unpacking = images.inner.snapshots_dir.join("tmp-eeee-1");
-        std::fs::create_dir_all(&unpacking).unwrap();
+        bounded(async {
+            let dir = tempfile::tempdir().unwrap();
+            let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
+            let images = Images::open(
+                dir.path(),
+                store.clone(),
+                dir.path().join("certs.d"),
+                ImageConfig::default(),
+            )
+            .await
+            .unwrap();
+            let digest = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+            let img = ImageRecord {
+                v: crate::store::RECORD_VERSION,
+                id: digest('c'),
+                repo_tags: vec![],
+                repo_digests: vec![],
+                manifest_digest: digest('d'),
+                size: 0,
+                chain_ids: vec![digest('e')],
+                user: String::new(),
+                pulled_at: 0,
+            };
+            store.put_image(&img).unwrap();
+            store.pin("c1", &[digest('f')]).unwrap();
+            for c in ['c', 'd', 'h'] {
+                std::fs::write(images.content_path(&digest(c)), b"x").unwrap();
+            }
+            for c in ['e', 'f', 'g'] {
+                std::fs::create_dir_all(images.snapshot_fs(&digest(c))).unwrap();
+                store
+                    .put_snapshot(&crate::store::SnapshotRecord {
+                        v: crate::store::RECORD_VERSION,
+                        chain_id: digest(c),
+                        diff_id: digest(c),
+                        parent: None,
+                        usage_bytes: 0,
+                        usage_inodes: 0,
+                    })
+                    .unwrap();
+            }
+            let unpacking = images.inner.snapshots_dir.join("tmp-eeee-1");
+            std::fs::create_dir_all(&unpacking).unwrap();
 
-        images.gc().await.unwrap();
-        for c in ['c', 'd'] {
-            assert!(images.content_path(&digest(c)).exists(), "content {c}");
-        }
-        assert!(!images.content_path(&digest('h')).exists());
-        for c in ['e', 'f'] {
-            assert!(images.snapshot_fs(&digest(c)).exists(), "snapshot {c}");
-        }
-        assert!(!images.snapshot_dir(&digest('g')).exists());
-        assert!(
-            unpacking.exists(),
-            "an unpack under way keeps its directory"
-        );
-        let mut recorded: Vec<String> = store
-            .snapshots()
-            .unwrap()
-            .into_iter()
-            .map(|s| s.chain_id)
-            .collect();
-        recorded.sort();
-        assert_eq!(recorded, [digest('e'), digest('f')]);
+            images.gc().await.unwrap();
+            for c in ['c', 'd'] {
+                assert!(images.content_path(&digest(c)).exists(), "content {c}");
+            }
+            assert!(!images.content_path(&digest('h')).exists());
+            for c in ['e', 'f'] {
+                assert!(images.snapshot_fs(&digest(c)).exists(), "snapshot {c}");
+            }
+            assert!(!images.snapshot_dir(&digest('g')).exists());
+            assert!(
+                unpacking.exists(),
+                "an unpack under way keeps its directory"
+            );
+            let mut recorded: Vec<String> = store
+                .snapshots()
+                .unwrap()
+                .into_iter()
+                .map(|s| s.chain_id)
+                .collect();
+            recorded.sort();
+            assert_eq!(recorded, [digest('e'), digest('f')]);
+        })
+        .await;
     }
 
     /// A request answered by another run's job answers when that run's `then` has ended,
