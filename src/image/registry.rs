@@ -714,6 +714,50 @@ mod tests {
         assert_eq!(Credentials::default().basic("h").unwrap(), None);
     }
 
+    /// Credentials count as given when any one field is set (the server address names where
+    /// they go, it is none itself); a user or a password alone is sent as given, the other
+    /// part empty, before any `auth`.
+    #[test]
+    fn any_one_credential_field_counts() {
+        assert!(Credentials::default().is_empty());
+        let one = |set: fn(&mut Credentials)| {
+            let mut c = Credentials::default();
+            set(&mut c);
+            c
+        };
+        for c in [
+            one(|c| c.username = "u".into()),
+            one(|c| c.password = "p".into()),
+            one(|c| c.auth = "dTpw".into()),
+            one(|c| c.identity_token = "i".into()),
+            one(|c| c.registry_token = "r".into()),
+        ] {
+            assert!(!c.is_empty(), "{c:?}");
+        }
+        assert!(one(|c| c.server_address = "h".into()).is_empty());
+        assert_eq!(
+            one(|c| c.username = "u".into()).basic("h").unwrap(),
+            Some(("u".to_string(), String::new()))
+        );
+        assert_eq!(
+            one(|c| c.password = "p".into()).basic("h").unwrap(),
+            Some((String::new(), "p".to_string()))
+        );
+    }
+
+    /// Token request parameters: RFC 3986's unreserved bytes as they are, every other byte
+    /// (each byte of a UTF-8 character too) as %XX.
+    #[test]
+    fn token_parameters_are_percent_encoded() {
+        assert_eq!(urlencode("AZaz09-_.~"), "AZaz09-_.~");
+        assert_eq!(
+            urlencode("repository:team/app:pull"),
+            "repository%3Ateam%2Fapp%3Apull"
+        );
+        assert_eq!(urlencode("a b&c=é"), "a%20b%26c%3D%C3%A9");
+        assert_eq!(urlencode(""), "");
+    }
+
     #[test]
     fn registry_error_bodies_are_summarised() {
         let (codes, detail) = registry_errors(
