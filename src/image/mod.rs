@@ -821,32 +821,44 @@ mod tests {
             .expect("the test did not end within 10 s: one of its waits never ended")
     }
 
+    /// The image store of a daemon whose root is `dir`, with its metadata store.
+    async fn images_in(dir: &Path) -> (Arc<crate::store::Store>, Images) {
+        let store = Arc::new(crate::store::Store::open(&dir.join("meta.db")).unwrap());
+        let images = Images::open(
+            dir,
+            store.clone(),
+            dir.join("certs.d"),
+            ImageConfig::default(),
+        )
+        .await
+        .unwrap();
+        (store, images)
+    }
+
+    /// An image record: its config `id`, its `manifest` and its layers' chain ids.
+    fn image_record(id: &str, manifest: &str, chain_ids: &[&str]) -> ImageRecord {
+        ImageRecord {
+            v: crate::store::RECORD_VERSION,
+            id: id.into(),
+            repo_tags: vec![],
+            repo_digests: vec![],
+            manifest_digest: manifest.into(),
+            size: 0,
+            chain_ids: chain_ids.iter().map(|c| c.to_string()).collect(),
+            user: String::new(),
+            pulled_at: 0,
+        }
+    }
+
     /// A container's pin waits for a collection under way, and refuses an image removed
     /// meanwhile: that collection may be sweeping its layers.
     #[tokio::test]
     async fn a_pin_waits_for_a_collection_and_refuses_a_removed_image() {
         bounded(async {
             let dir = tempfile::tempdir().unwrap();
-            let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
-            let images = Images::open(
-                dir.path(),
-                store.clone(),
-                dir.path().join("certs.d"),
-                ImageConfig::default(),
-            )
-            .await
-            .unwrap();
-            let record = |id: &str| ImageRecord {
-                v: crate::store::RECORD_VERSION,
-                id: id.into(),
-                repo_tags: vec![],
-                repo_digests: vec![],
-                manifest_digest: format!("{id}-manifest"),
-                size: 0,
-                chain_ids: vec![format!("{id}-layer")],
-                user: String::new(),
-                pulled_at: 0,
-            };
+            let (store, images) = images_in(dir.path()).await;
+            let record =
+                |id: &str| image_record(id, &format!("{id}-manifest"), &[&format!("{id}-layer")]);
             let (kept, removed) = (record("sha256:kept"), record("sha256:removed"));
             store.put_image(&kept).unwrap();
             store.put_image(&removed).unwrap();
@@ -975,28 +987,11 @@ mod tests {
     async fn a_collection_keeps_what_images_pins_and_unpacks_use() {
         bounded(async {
             let dir = tempfile::tempdir().unwrap();
-            let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
-            let images = Images::open(
-                dir.path(),
-                store.clone(),
-                dir.path().join("certs.d"),
-                ImageConfig::default(),
-            )
-            .await
-            .unwrap();
+            let (store, images) = images_in(dir.path()).await;
             let digest = |c: char| format!("sha256:{}", c.to_string().repeat(64));
-            let img = ImageRecord {
-                v: crate::store::RECORD_VERSION,
-                id: digest('c'),
-                repo_tags: vec![],
-                repo_digests: vec![],
-                manifest_digest: digest('d'),
-                size: 0,
-                chain_ids: vec![digest('e')],
-                user: String::new(),
-                pulled_at: 0,
-            };
-            store.put_image(&img).unwrap();
+            store
+                .put_image(&image_record(&digest('c'), &digest('d'), &[&digest('e')]))
+                .unwrap();
             store.pin("c1", &[digest('f')]).unwrap();
             for c in ['c', 'd', 'h'] {
                 std::fs::write(images.content_path(&digest(c)), b"x").unwrap();
