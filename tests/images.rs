@@ -1217,7 +1217,6 @@ async fn a_layer_the_disk_lost_is_not_recorded() {
     );
     let img = Image::new(vec![layer], &ImageConf::default(), false);
     Pusher::new(&reg.addr).push("lost/img", "1", &img).await;
-    let disk = std::sync::Arc::new(std::sync::Mutex::new(std::path::PathBuf::new()));
     let h = Hako::start_prepared("", |dir| {
         let (backing, root) = (dir.join("disk"), dir.join("root"));
         std::fs::create_dir_all(&backing).unwrap();
@@ -1254,9 +1253,8 @@ async fn a_layer_the_disk_lost_is_not_recorded() {
             &file,
             root.to_str().unwrap(),
         ]);
-        *disk.lock().unwrap() = backing;
     });
-    let backing = disk.lock().unwrap().clone();
+    let backing = h.dir.path().join("disk");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watcher = {
         let (root, stop) = (h.root.clone(), stop.clone());

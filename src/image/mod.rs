@@ -821,18 +821,28 @@ mod tests {
             .expect("the test did not end within 10 s: one of its waits never ended")
     }
 
-    /// The image store of a daemon whose root is `dir`, with its metadata store.
-    async fn images_in(dir: &Path) -> (Arc<crate::store::Store>, Images) {
-        let store = Arc::new(crate::store::Store::open(&dir.join("meta.db")).unwrap());
-        let images = Images::open(
+    /// The image store of a daemon whose root is `dir` and metadata store `store`.
+    async fn open_images(dir: &Path, store: &Arc<crate::store::Store>) -> Images {
+        Images::open(
             dir,
             store.clone(),
             dir.join("certs.d"),
             ImageConfig::default(),
         )
         .await
-        .unwrap();
+        .unwrap()
+    }
+
+    /// The image store of a daemon whose root is `dir`, with a new metadata store.
+    async fn images_in(dir: &Path) -> (Arc<crate::store::Store>, Images) {
+        let store = Arc::new(crate::store::Store::open(&dir.join("meta.db")).unwrap());
+        let images = open_images(dir, &store).await;
         (store, images)
+    }
+
+    /// `sha256:` and 64 times `c`.
+    fn digest(c: char) -> String {
+        format!("sha256:{}", c.to_string().repeat(64))
     }
 
     /// An image record: its config `id`, its `manifest` and its layers' chain ids.
@@ -905,20 +915,11 @@ mod tests {
     async fn a_collection_deletes_what_it_removed_after_giving_its_lock_back() {
         bounded(async {
             let dir = tempfile::tempdir().unwrap();
-            let store = Arc::new(crate::store::Store::open(&dir.path().join("meta.db")).unwrap());
-            let open = || {
-                Images::open(
-                    dir.path(),
-                    store.clone(),
-                    dir.path().join("certs.d"),
-                    ImageConfig::default(),
-                )
-            };
-            let images = open().await.unwrap();
-            let layer = images.snapshot_fs(&format!("sha256:{}", "a".repeat(64)));
+            let (store, images) = images_in(dir.path()).await;
+            let layer = images.snapshot_fs(&digest('a'));
             std::fs::create_dir_all(layer.join("usr/bin")).unwrap();
             std::fs::write(layer.join("usr/bin/tool"), b"x").unwrap();
-            let blob = images.content_path(&format!("sha256:{}", "b".repeat(64)));
+            let blob = images.content_path(&digest('b'));
             std::fs::write(&blob, b"blob").unwrap();
             let trash = images.inner.trash_dir.clone();
             let in_trash = || {
@@ -972,7 +973,7 @@ mod tests {
 
             std::fs::create_dir_all(trash.join("7/s-left")).unwrap();
             drop(images);
-            let _images = open().await.unwrap();
+            let _images = open_images(dir.path(), &store).await;
             assert!(
                 !trash.join("7").exists(),
                 "a start deletes an earlier daemon's trash"
@@ -988,7 +989,6 @@ mod tests {
         bounded(async {
             let dir = tempfile::tempdir().unwrap();
             let (store, images) = images_in(dir.path()).await;
-            let digest = |c: char| format!("sha256:{}", c.to_string().repeat(64));
             store
                 .put_image(&image_record(&digest('c'), &digest('d'), &[&digest('e')]))
                 .unwrap();

@@ -46,25 +46,21 @@ impl Hako {
     /// As `start`, with the state dir at `state` under the temp dir (deep paths test socket
     /// path limits).
     pub fn start_with_state(extra: &str, state: &str) -> Hako {
-        Self::start_with(extra, state, &[])
+        Self::start_with(extra, state, &[], |_| {})
     }
 
     /// As `start`, with `env` set in the daemon's environment.
     pub fn start_with_env(extra: &str, env: &[(&str, &str)]) -> Hako {
-        Self::start_with(extra, "state", env)
+        Self::start_with(extra, "state", env, |_| {})
     }
 
     /// As `start`, with `prepare` run on the temp dir before the daemon starts (to mount a
     /// filesystem of the test's own at `<dir>/root`, say; `drop` unmounts what is under it).
     pub fn start_prepared(extra: &str, prepare: impl FnOnce(&std::path::Path)) -> Hako {
-        Self::start_inner(extra, "state", &[], prepare)
+        Self::start_with(extra, "state", &[], prepare)
     }
 
-    fn start_with(extra: &str, state: &str, env: &[(&str, &str)]) -> Hako {
-        Self::start_inner(extra, state, env, |_| {})
-    }
-
-    fn start_inner(
+    fn start_with(
         extra: &str,
         state: &str,
         env: &[(&str, &str)],
