@@ -844,16 +844,10 @@ impl<'a> Unpacker<'a> {
                 let ext = ext?;
                 let Ok(key) = ext.key() else { continue };
                 let value = ext.value_bytes();
+                // Pax `uid` and `gid` records need nothing here: the tar reader writes them
+                // into the header it hands out (pax_records_give_the_owner_and_the_mtime).
                 if let Some(name) = key.strip_prefix("SCHILY.xattr.") {
                     meta.xattrs.push((name.into(), value.to_vec()));
-                } else if key == "uid" || key == "gid" {
-                    if let Some(v) = std::str::from_utf8(value).ok().and_then(|s| s.parse().ok()) {
-                        if key == "uid" {
-                            meta.uid = v;
-                        } else {
-                            meta.gid = v;
-                        }
-                    }
                 } else if key == "mtime" {
                     if let Some(t) = std::str::from_utf8(value).ok().and_then(parse_pax_time) {
                         meta.mtime = t;

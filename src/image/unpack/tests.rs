@@ -763,6 +763,34 @@ fn overlay_xattrs_from_a_layer_are_ignored() {
         xattr::get(l.join("f"), "trusted.overlay.redirect").unwrap(),
         None
     );
+    // Nor on what cannot be opened to set them (device nodes, fifos, symlinks), while the
+    // node's other xattrs are kept.
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_pax_extensions([
+        ("SCHILY.xattr.trusted.overlay.opaque", &b"y"[..]),
+        ("SCHILY.xattr.trusted.hako-test", &b"1"[..]),
+    ])
+    .unwrap();
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Fifo);
+    h.set_mode(0o640);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_size(0);
+    b.append_data(&mut h, "p", io::empty()).unwrap();
+    let l1 = layer_dir(&root, "l1");
+    unpack(&b.into_inner().unwrap(), &l1, &[]).unwrap();
+    assert_eq!(
+        xattr::get(l1.join("p"), "trusted.overlay.opaque").unwrap(),
+        None
+    );
+    assert_eq!(
+        xattr::get(l1.join("p"), "trusted.hako-test")
+            .unwrap()
+            .as_deref(),
+        Some(&b"1"[..])
+    );
 }
 
 #[test]
@@ -1402,6 +1430,60 @@ fn the_byte_bound_counts_what_a_sparse_file_expands_to() {
 }
 
 #[test]
+fn the_byte_bound_on_written_content_is_inclusive() {
+    let sb = Sandbox::new();
+    // A sparse file of 300 000 bytes from a stream of under 4 KiB: the written bytes, not
+    // the stream, reach the bound, and not at a multiple of the copy buffer.
+    let real = 300_000u64;
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::GNUSparse);
+    h.set_path("sparse").unwrap();
+    h.set_mode(0o644);
+    h.set_size(0);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(1_600_000_000);
+    let gnu = h.as_gnu_mut().unwrap();
+    gnu.set_real_size(real);
+    gnu.sparse[0].set_offset(real);
+    gnu.sparse[0].set_length(0);
+    h.set_cksum();
+    let mut b = tar::Builder::new(Vec::new());
+    b.append(&h, io::empty()).unwrap();
+    let t = b.into_inner().unwrap();
+    assert!((t.len() as u64) < real - 1);
+    let fits = sb.layer("fits");
+    unpack_limited(&t, &fits, bytes(real)).unwrap();
+    assert_eq!(fs::metadata(fits.join("sparse")).unwrap().len(), real);
+    let err = unpack_limited(&t, &sb.layer("over"), bytes(real - 1)).unwrap_err();
+    assert!(
+        matches!(err, UnpackError::TooLarge { limit, .. } if limit == real - 1),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_xattr_the_filesystem_refuses_fails_the_layer_unless_it_is_unsupported() {
+    let root = tempfile::tempdir().unwrap();
+    // A namespace no filesystem knows: EOPNOTSUPP, passed over with a warning, as for a
+    // filesystem without xattrs.
+    let l0 = layer_dir(&root, "l0");
+    unpack(&tarball(&[E::Xattr("f", "hako.test", b"1")]), &l0, &[]).unwrap();
+    assert_eq!(fs::read(l0.join("f")).unwrap(), b"x");
+    // A value over the kernel's 64 KiB: E2BIG on every filesystem, and the layer is not
+    // unpacked without it.
+    let big = vec![b'v'; 70_000];
+    let l1 = layer_dir(&root, "l1");
+    let err = unpack(&tarball(&[E::Xattr("f", "trusted.big", &big)]), &l1, &[])
+        .map_err(|e| crate::error::chain(&e))
+        .unwrap_err();
+    assert!(
+        err.contains("set xattr on") && err.contains("\"f\""),
+        "{err}"
+    );
+}
+
+#[test]
 fn the_entry_bound_counts_implied_parent_directories() {
     let sb = Sandbox::new();
     let entries = |n| Limits {
@@ -1473,8 +1555,50 @@ fn entry_headers_held_in_memory_are_bounded() {
     h.set_mtime(0);
     h.set_size(1);
     b.append_data(&mut h, "ok", &b"1"[..]).unwrap();
+    // And an entry's content, read once its headers are parsed, is not a header: a file
+    // larger than the header bound unpacks.
+    h.set_size(huge.len() as u64);
+    b.append_data(&mut h, "big", &huge[..]).unwrap();
     let t = b.into_inner().unwrap();
-    unpack_limited(&t, &sb.layer("l1"), Limits::UNLIMITED).unwrap();
+    let l1 = sb.layer("l1");
+    unpack_limited(&t, &l1, Limits::UNLIMITED).unwrap();
+    assert_eq!(fs::read(l1.join("big")).unwrap(), huge);
+}
+
+#[test]
+fn pax_records_give_the_owner_and_the_mtime() {
+    // IDs above what a ustar header's octal fields hold (2097151), as images built for user
+    // namespaces have, and sub-second times, only fit in pax records; they override the
+    // header's own fields.
+    let root = tempfile::tempdir().unwrap();
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_pax_extensions([
+        ("uid", &b"3000000"[..]),
+        ("gid", &b"3000001"[..]),
+        ("mtime", &b"1700000000.25"[..]),
+    ])
+    .unwrap();
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o640);
+    h.set_uid(1);
+    h.set_gid(2);
+    h.set_mtime(3);
+    h.set_size(1);
+    b.append_data(&mut h, "f", &b"x"[..]).unwrap();
+    // Only the gid in a record: the uid comes from the header.
+    b.append_pax_extensions([("gid", &b"4000000"[..])]).unwrap();
+    b.append_data(&mut h, "g", &b"y"[..]).unwrap();
+    let tar = b.into_inner().unwrap();
+    let dest = layer_dir(&root, "l0");
+    unpack(&tar, &dest, &[]).unwrap();
+    let f = fs::symlink_metadata(dest.join("f")).unwrap();
+    assert_eq!((f.uid(), f.gid()), (3_000_000, 3_000_001));
+    assert_eq!((f.mtime(), f.mtime_nsec()), (1_700_000_000, 250_000_000));
+    assert_eq!(f.mode() & 0o7777, 0o640);
+    let g = fs::symlink_metadata(dest.join("g")).unwrap();
+    assert_eq!((g.uid(), g.gid()), (1, 4_000_000));
+    assert_eq!(g.mtime(), 3);
 }
 
 #[test]
