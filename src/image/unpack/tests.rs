@@ -93,6 +93,18 @@ fn tarball(entries: &[E]) -> Vec<u8> {
     b.into_inner().unwrap()
 }
 
+/// A GNU header of `kind`, `mode` and `size`, owned by 0:0, mtime 0: set what differs.
+fn header(kind: tar::EntryType, mode: u32, size: u64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_mode(mode);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_size(size);
+    h
+}
+
 fn diff_id(tar: &[u8]) -> String {
     format!("sha256:{:x}", Sha256::digest(tar))
 }
@@ -771,13 +783,7 @@ fn overlay_xattrs_from_a_layer_are_ignored() {
         ("SCHILY.xattr.trusted.hako-test", &b"1"[..]),
     ])
     .unwrap();
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(tar::EntryType::Fifo);
-    h.set_mode(0o640);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(0);
-    h.set_size(0);
+    let mut h = header(tar::EntryType::Fifo, 0o640, 0);
     b.append_data(&mut h, "p", io::empty()).unwrap();
     let l1 = layer_dir(&root, "l1");
     unpack(&b.into_inner().unwrap(), &l1, &[]).unwrap();
@@ -1397,26 +1403,26 @@ fn the_byte_bound_counts_the_uncompressed_stream() {
     assert!(matches!(err, UnpackError::TooLarge { .. }), "{err}");
 }
 
-#[test]
-fn the_byte_bound_counts_what_a_sparse_file_expands_to() {
-    let sb = Sandbox::new();
-    // One 512-byte GNU sparse header describing a 1 GiB hole: tiny stream, 1 GiB of zeros.
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(tar::EntryType::GNUSparse);
+/// A layer of one GNU sparse file, `sparse`, of `real` bytes, all of them a hole: a stream of
+/// one header, whatever `real` is.
+fn sparse_tar(real: u64) -> Vec<u8> {
+    let mut h = header(tar::EntryType::GNUSparse, 0o644, 0);
     h.set_path("sparse").unwrap();
-    h.set_mode(0o644);
-    h.set_size(0);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(1_600_000_000);
     let gnu = h.as_gnu_mut().unwrap();
-    gnu.set_real_size(1 << 30);
-    gnu.sparse[0].set_offset(1 << 30);
+    gnu.set_real_size(real);
+    gnu.sparse[0].set_offset(real);
     gnu.sparse[0].set_length(0);
     h.set_cksum();
     let mut b = tar::Builder::new(Vec::new());
     b.append(&h, io::empty()).unwrap();
-    let t = b.into_inner().unwrap();
+    b.into_inner().unwrap()
+}
+
+#[test]
+fn the_byte_bound_counts_what_a_sparse_file_expands_to() {
+    let sb = Sandbox::new();
+    // One 512-byte GNU sparse header describing a 1 GiB hole: tiny stream, 1 GiB of zeros.
+    let t = sparse_tar(1 << 30);
     assert!(t.len() < 4096);
     let l = sb.layer("l0");
     let err = unpack_limited(&t, &l, bytes(1 << 20))
@@ -1435,22 +1441,7 @@ fn the_byte_bound_on_written_content_is_inclusive() {
     // A sparse file of 300 000 bytes from a stream of under 4 KiB: the written bytes, not
     // the stream, reach the bound, and not at a multiple of the copy buffer.
     let real = 300_000u64;
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(tar::EntryType::GNUSparse);
-    h.set_path("sparse").unwrap();
-    h.set_mode(0o644);
-    h.set_size(0);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(1_600_000_000);
-    let gnu = h.as_gnu_mut().unwrap();
-    gnu.set_real_size(real);
-    gnu.sparse[0].set_offset(real);
-    gnu.sparse[0].set_length(0);
-    h.set_cksum();
-    let mut b = tar::Builder::new(Vec::new());
-    b.append(&h, io::empty()).unwrap();
-    let t = b.into_inner().unwrap();
+    let t = sparse_tar(real);
     assert!((t.len() as u64) < real - 1);
     let fits = sb.layer("fits");
     unpack_limited(&t, &fits, bytes(real)).unwrap();
@@ -1518,22 +1509,10 @@ fn entry_headers_held_in_memory_are_bounded() {
     let sb = Sandbox::new();
     let huge = vec![b'a'; (MAX_ENTRY_HEADER_BYTES + (1 << 20)) as usize];
     let mut b = tar::Builder::new(Vec::new());
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(tar::EntryType::Regular);
-    h.set_mode(0o644);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(0);
-    h.set_size(1);
+    let mut h = header(tar::EntryType::Regular, 0o644, 1);
     b.append_data(&mut h, "first", &b"1"[..]).unwrap();
     b.append_pax_extensions([("comment", &huge[..])]).unwrap();
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(tar::EntryType::Regular);
-    h.set_mode(0o644);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(0);
-    h.set_size(1);
+    let mut h = header(tar::EntryType::Regular, 0o644, 1);
     b.append_data(&mut h, "second", &b"2"[..]).unwrap();
     let t = b.into_inner().unwrap();
     let err = unpack_limited(&t, &sb.layer("l0"), Limits::UNLIMITED)
@@ -1547,13 +1526,7 @@ fn entry_headers_held_in_memory_are_bounded() {
     let mut b = tar::Builder::new(Vec::new());
     b.append_pax_extensions([("comment", &huge[..1 << 20])])
         .unwrap();
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(tar::EntryType::Regular);
-    h.set_mode(0o644);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(0);
-    h.set_size(1);
+    let mut h = header(tar::EntryType::Regular, 0o644, 1);
     b.append_data(&mut h, "ok", &b"1"[..]).unwrap();
     // And an entry's content, read once its headers are parsed, is not a header: a file
     // larger than the header bound unpacks.
@@ -1578,13 +1551,10 @@ fn pax_records_give_the_owner_and_the_mtime() {
         ("mtime", &b"1700000000.25"[..]),
     ])
     .unwrap();
-    let mut h = tar::Header::new_ustar();
-    h.set_entry_type(tar::EntryType::Regular);
-    h.set_mode(0o640);
+    let mut h = header(tar::EntryType::Regular, 0o640, 1);
     h.set_uid(1);
     h.set_gid(2);
     h.set_mtime(3);
-    h.set_size(1);
     b.append_data(&mut h, "f", &b"x"[..]).unwrap();
     // Only the gid in a record: the uid comes from the header.
     b.append_pax_extensions([("gid", &b"4000000"[..])]).unwrap();
@@ -1680,13 +1650,8 @@ fn a_file_gets_its_entrys_owner_and_mode_whatever_its_directory_gives_new_files(
     let root = tempfile::tempdir().unwrap();
     let l = layer_dir(&root, "l0");
     let header = |kind, mode, gid| {
-        let mut h = tar::Header::new_gnu();
-        h.set_entry_type(kind);
-        h.set_mode(mode);
-        h.set_uid(0);
+        let mut h = header(kind, mode, u64::from(kind == tar::EntryType::Regular));
         h.set_gid(gid);
-        h.set_mtime(1_600_000_000);
-        h.set_size(u64::from(kind == tar::EntryType::Regular));
         h
     };
     // system.posix_acl_default of user::rwx group::--- other::---: a version, then tag,
