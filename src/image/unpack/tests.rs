@@ -1649,7 +1649,8 @@ fn a_file_gets_its_entrys_owner_and_mode_whatever_its_directory_gives_new_files(
     // skipped the chown and chmod where they looked needless would miss both).
     let root = tempfile::tempdir().unwrap();
     let l = layer_dir(&root, "l0");
-    let header = |kind, mode, gid| {
+    // Directories and one-byte files, with a group.
+    let with_gid = |kind, mode, gid| {
         let mut h = header(kind, mode, u64::from(kind == tar::EntryType::Regular));
         h.set_gid(gid);
         h
@@ -1663,19 +1664,19 @@ fn a_file_gets_its_entrys_owner_and_mode_whatever_its_directory_gives_new_files(
         acl.extend(u32::MAX.to_le_bytes());
     }
     let mut b = tar::Builder::new(Vec::new());
-    let mut h = header(tar::EntryType::Directory, 0o2775, 1234);
+    let mut h = with_gid(tar::EntryType::Directory, 0o2775, 1234);
     b.append_data(&mut h, "sgid/", io::empty()).unwrap();
-    let mut h = header(tar::EntryType::Regular, 0o644, 0);
+    let mut h = with_gid(tar::EntryType::Regular, 0o644, 0);
     b.append_data(&mut h, "sgid/f", &b"x"[..]).unwrap();
     b.append_pax_extensions([("SCHILY.xattr.system.posix_acl_default", &acl[..])])
         .unwrap();
-    let mut h = header(tar::EntryType::Directory, 0o755, 0);
+    let mut h = with_gid(tar::EntryType::Directory, 0o755, 0);
     b.append_data(&mut h, "acl/", io::empty()).unwrap();
-    let mut h = header(tar::EntryType::Regular, 0o644, 0);
+    let mut h = with_gid(tar::EntryType::Regular, 0o644, 0);
     b.append_data(&mut h, "acl/f", &b"x"[..]).unwrap();
-    let mut h = header(tar::EntryType::Regular, 0o1751, 0);
+    let mut h = with_gid(tar::EntryType::Regular, 0o1751, 0);
     b.append_data(&mut h, "sticky", &b"x"[..]).unwrap();
-    let mut h = header(tar::EntryType::Regular, 0o000, 0);
+    let mut h = with_gid(tar::EntryType::Regular, 0o000, 0);
     b.append_data(&mut h, "none", &b"x"[..]).unwrap();
     unpack(&b.into_inner().unwrap(), &l, &[]).unwrap();
 
