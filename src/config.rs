@@ -49,8 +49,13 @@ pub struct ImageConfig {
     pub max_layer_unpacked_bytes: u64,
     /// Bound on the files, directories and links one layer's unpack creates; 0 = none.
     pub max_layer_entries: u64,
-    /// Flush each unpacked layer to disk (syncfs) before it is recorded as complete.
+    /// Flush each unpacked layer to disk (syncfs), so none is trusted across a power loss
+    /// before it is on disk.
     pub sync_layers: bool,
+    /// With `sync_layers`: record a layer only once it is on disk, and answer the pull after
+    /// that. Off, layers are synced in the background and one not yet on disk when the
+    /// machine went down is dropped at the next start (`image::durability`).
+    pub wait_for_layer_sync: bool,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -156,6 +161,9 @@ impl Default for ImageConfig {
             max_layer_entries: 4 << 20,
             // A layer recorded as complete must survive a power loss (docs/CONFIGURATION.md).
             sync_layers: true,
+            // The pull answers without waiting for the disk; durability comes from the
+            // background sync and the drop at the next boot instead (docs/CONFIGURATION.md).
+            wait_for_layer_sync: false,
         }
     }
 }

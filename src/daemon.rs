@@ -16,6 +16,9 @@ use crate::error::{Error, Result};
 use crate::image::Images;
 use crate::store::Store;
 
+/// How long a graceful stop waits for the background syncs of pulled layers.
+const FLUSH_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Everything the CRI handlers reach.
 pub struct Daemon {
     pub config: Config,
@@ -240,6 +243,13 @@ pub async fn serve(config: Config) -> Result<()> {
     crate::notify::ready();
     let result = crate::server::run(listener, daemon.clone(), shutdown).await;
     crate::notify::stopping();
+    // Layers recorded before their sync: synced now, or the next boot drops them (and their
+    // images) for nothing after a clean reboot.
+    if !daemon.images.flush_syncs(FLUSH_GRACE).await {
+        tracing::warn!(
+            "layers still syncing at shutdown; a start in the next boot drops those not synced"
+        );
+    }
     let _ = std::fs::remove_file(&listen);
     drop(daemon);
     tracing::info!("stopped");

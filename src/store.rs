@@ -8,6 +8,9 @@
 //! - `images`: image id (`sha256:<config digest>`) → [`ImageRecord`]
 //! - `names`: repo tag or repo digest → image id. A name points at exactly one image.
 //! - `snapshots`: chain id → [`SnapshotRecord`]. A snapshot exists only once fully unpacked.
+//! - `unsynced`: chain id → `<boot id> <n>`, for a snapshot recorded before its files were
+//!   synced to disk (written in the record's own transaction, removed once a sync covers it):
+//!   a start in another boot drops such a snapshot and the images on it (`image::durability`).
 //! - `pods`, `containers`: id → the runtime's records (`pods::types`).
 //! - `reservations`: pod or container name (kubelet's unique key) → id; `pins`: container id
 //!   → chain ids it keeps from GC.
@@ -37,6 +40,8 @@ use crate::error::{Error, Result};
 const IMAGES: TableDefinition<&str, &[u8]> = TableDefinition::new("images");
 const NAMES: TableDefinition<&str, &str> = TableDefinition::new("names");
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
+/// Chain id → the token of the unsynced record (see the module doc).
+const UNSYNCED: TableDefinition<&str, &str> = TableDefinition::new("unsynced");
 const PODS: TableDefinition<&str, &[u8]> = TableDefinition::new("pods");
 const CONTAINERS: TableDefinition<&str, &[u8]> = TableDefinition::new("containers");
 /// Pod and container names (kubelet's unique keys) → id.
@@ -169,6 +174,7 @@ impl Store {
         txn.open_table(IMAGES)?;
         txn.open_table(NAMES)?;
         txn.open_table(SNAPSHOTS)?;
+        txn.open_table(UNSYNCED)?;
         txn.open_table(PODS)?;
         txn.open_table(CONTAINERS)?;
         txn.open_table(RESERVATIONS)?;
@@ -306,10 +312,23 @@ impl Store {
         self.read_all(SNAPSHOTS, "snapshots")
     }
 
-    pub fn put_snapshot(&self, rec: &SnapshotRecord) -> Result<()> {
+    /// Records a snapshot; `unsynced` is the token of a record made before its files were
+    /// synced, kept in the same transaction so no crash leaves the record without it.
+    pub fn put_snapshot(&self, rec: &SnapshotRecord, unsynced: Option<&str>) -> Result<()> {
         let txn = self.db.begin_write()?;
         txn.open_table(SNAPSHOTS)?
             .insert(rec.chain_id.as_str(), encode(rec).as_slice())?;
+        {
+            let mut pending = txn.open_table(UNSYNCED)?;
+            match unsynced {
+                Some(token) => {
+                    pending.insert(rec.chain_id.as_str(), token)?;
+                }
+                None => {
+                    pending.remove(rec.chain_id.as_str())?;
+                }
+            }
+        }
         txn.commit()?;
         Ok(())
     }
@@ -317,16 +336,100 @@ impl Store {
     pub fn remove_snapshot(&self, chain_id: &str) -> Result<()> {
         let txn = self.db.begin_write()?;
         txn.open_table(SNAPSHOTS)?.remove(chain_id)?;
+        txn.open_table(UNSYNCED)?.remove(chain_id)?;
         txn.commit()?;
         Ok(())
+    }
+
+    /// The snapshots recorded before a sync covered them: (chain id, token).
+    pub fn unsynced(&self) -> Result<Vec<(String, String)>> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(UNSYNCED)?;
+        let mut out = Vec::new();
+        for row in t.iter()? {
+            let (k, v) = row?;
+            out.push((k.value().to_string(), v.value().to_string()));
+        }
+        Ok(out)
+    }
+
+    /// Ends the unsynced state of each (chain id, token) still holding that token: a snapshot
+    /// removed and recorded again since holds a newer one, which this sync may not cover.
+    pub fn mark_synced(&self, done: &[(String, String)]) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut t = txn.open_table(UNSYNCED)?;
+            for (chain_id, token) in done {
+                let current = t.get(chain_id.as_str())?.map(|v| v.value().to_string());
+                if current.as_deref() == Some(token.as_str()) {
+                    t.remove(chain_id.as_str())?;
+                }
+            }
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Removes the records of snapshots whose files cannot be trusted, and every image on
+    /// any of them (with its names), in one transaction; answers the images removed.
+    pub fn drop_snapshots(&self, chain_ids: &[String]) -> Result<Vec<ImageRecord>> {
+        let txn = self.db.begin_write()?;
+        let mut removed = Vec::new();
+        {
+            let mut snapshots = txn.open_table(SNAPSHOTS)?;
+            let mut pending = txn.open_table(UNSYNCED)?;
+            for c in chain_ids {
+                snapshots.remove(c.as_str())?;
+                pending.remove(c.as_str())?;
+            }
+            let mut images = txn.open_table(IMAGES)?;
+            let mut names = txn.open_table(NAMES)?;
+            let mut doomed = Vec::new();
+            for row in images.iter()? {
+                let (k, v) = row?;
+                // An unreadable record is the quarantine's business, not this drop's.
+                if let Ok(Ok(img)) = read_record::<ImageRecord>("images", k.value(), v.value()) {
+                    if img.chain_ids.iter().any(|c| chain_ids.contains(c)) {
+                        doomed.push(img);
+                    }
+                }
+            }
+            for img in doomed {
+                images.remove(img.id.as_str())?;
+                for n in img.repo_tags.iter().chain(&img.repo_digests) {
+                    // Only a name still pointing at this image.
+                    let points_here = names.get(n.as_str())?.map(|v| v.value() == img.id);
+                    if points_here == Some(true) {
+                        names.remove(n.as_str())?;
+                    }
+                }
+                removed.push(img);
+            }
+        }
+        txn.commit()?;
+        Ok(removed)
     }
 
     /// Records a pulled image under `names`, in one transaction. A name that pointed at another
     /// image moves to this one; an image left with no name is removed and returned, so the
     /// caller can collect its files (docker and containerd both untag the older image).
+    /// Refused when a layer of it is not recorded: one whose background sync failed is
+    /// dropped (`drop_snapshots`), maybe after the pull saw it in place and before this.
     pub fn put_image(&self, rec: &ImageRecord) -> Result<Vec<ImageRecord>> {
         let txn = self.db.begin_write()?;
         let mut orphans = Vec::new();
+        {
+            let snapshots = txn.open_table(SNAPSHOTS)?;
+            for c in &rec.chain_ids {
+                if snapshots.get(c.as_str())?.is_none() {
+                    return Err(Error::Internal(format!(
+                        "image {}: its layer {c} is no longer recorded (dropped because the \
+                         disk did not take it, see the log); pull it again",
+                        rec.id
+                    )));
+                }
+            }
+        }
         {
             let mut images = txn.open_table(IMAGES)?;
             let mut names = txn.open_table(NAMES)?;
@@ -648,6 +751,29 @@ impl Store {
 
     /// Keeps `chain_ids` from GC for as long as `owner` holds them. Visible to GC at once;
     /// made durable by the owner's record commit, as a reservation is.
+    /// As [`Store::pin`], refused (NOT_FOUND) when a layer is no longer recorded: one whose
+    /// background sync failed is dropped (`drop_snapshots`) without the collection lock a
+    /// create's pin otherwise waits for, and its files are moved away.
+    pub fn pin_recorded(&self, owner: &str, chain_ids: &[String]) -> Result<()> {
+        let txn = self.lazy_write()?;
+        {
+            let snapshots = txn.open_table(SNAPSHOTS)?;
+            for c in chain_ids {
+                if snapshots.get(c.as_str())?.is_none() {
+                    return Err(Error::NotFound(format!(
+                        "container {owner}: its image's layer {c} is no longer recorded \
+                         (dropped because the disk did not take it, see the log); pull the \
+                         image again"
+                    )));
+                }
+            }
+        }
+        txn.open_table(PINS)?
+            .insert(owner, encode(&chain_ids).as_slice())?;
+        txn.commit()?;
+        Ok(())
+    }
+
     pub fn pin(&self, owner: &str, chain_ids: &[String]) -> Result<()> {
         let txn = self.lazy_write()?;
         txn.open_table(PINS)?
@@ -859,19 +985,127 @@ mod tests {
         {
             let s = Store::open(&path).unwrap();
             s.put_image(&image("sha256:a", &["r:1"])).unwrap();
-            s.put_snapshot(&SnapshotRecord {
-                v: 1,
-                chain_id: "sha256:c".into(),
-                diff_id: "sha256:d".into(),
-                parent: None,
-                usage_bytes: 4096,
-                usage_inodes: 2,
-            })
+            s.put_snapshot(
+                &SnapshotRecord {
+                    v: 1,
+                    chain_id: "sha256:c".into(),
+                    diff_id: "sha256:d".into(),
+                    parent: None,
+                    usage_bytes: 4096,
+                    usage_inodes: 2,
+                },
+                Some("boot 1"),
+            )
             .unwrap();
         }
         let s = Store::open(&path).unwrap();
         assert_eq!(s.images().unwrap().len(), 1);
         assert_eq!(s.snapshot("sha256:c").unwrap().unwrap().usage_inodes, 2);
+        assert_eq!(
+            s.unsynced().unwrap(),
+            vec![("sha256:c".to_string(), "boot 1".to_string())]
+        );
+    }
+
+    fn snapshot(chain_id: &str) -> SnapshotRecord {
+        SnapshotRecord {
+            v: 1,
+            chain_id: chain_id.into(),
+            diff_id: chain_id.into(),
+            parent: None,
+            usage_bytes: 0,
+            usage_inodes: 0,
+        }
+    }
+
+    /// A sync ends only the unsynced state it covered: a layer removed and recorded again
+    /// since holds a newer token and stays unsynced. A record made synced, or removed, ends
+    /// it too.
+    #[test]
+    fn a_sync_ends_only_the_unsynced_records_it_covered() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db")).unwrap();
+        for (c, t) in [
+            ("sha256:a", "b 1"),
+            ("sha256:b", "b 2"),
+            ("sha256:c", "b 3"),
+        ] {
+            s.put_snapshot(&snapshot(c), Some(t)).unwrap();
+        }
+        s.remove_snapshot("sha256:b").unwrap();
+        s.put_snapshot(&snapshot("sha256:b"), Some("b 4")).unwrap();
+        s.mark_synced(&[
+            ("sha256:a".into(), "b 1".into()),
+            ("sha256:b".into(), "b 2".into()),
+        ])
+        .unwrap();
+        assert_eq!(
+            s.unsynced().unwrap(),
+            vec![
+                ("sha256:b".to_string(), "b 4".to_string()),
+                ("sha256:c".to_string(), "b 3".to_string())
+            ]
+        );
+        s.put_snapshot(&snapshot("sha256:b"), None).unwrap();
+        s.remove_snapshot("sha256:c").unwrap();
+        assert_eq!(s.unsynced().unwrap(), vec![]);
+    }
+
+    /// A container's pin of a layer no longer recorded (dropped after a failed sync) is
+    /// refused and leaves no pin; one of recorded layers lands.
+    #[test]
+    fn a_pin_of_a_layer_no_longer_recorded_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db")).unwrap();
+        s.put_snapshot(&snapshot("sha256:a"), None).unwrap();
+        let err = s
+            .pin_recorded("c1", &["sha256:a".into(), "sha256:gone".into()])
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::NotFound(m) if m.contains("c1") && m.contains("sha256:gone")),
+            "{err:?}"
+        );
+        assert_eq!(s.pinned().unwrap(), Vec::<String>::new());
+        s.pin_recorded("c2", &["sha256:a".into()]).unwrap();
+        assert_eq!(s.pinned().unwrap(), ["sha256:a"]);
+    }
+
+    /// Dropping layers removes their records, their unsynced state and every image on any of
+    /// them with the names pointing at it; other images and names stay.
+    #[test]
+    fn dropping_layers_drops_the_images_on_them_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("meta.db")).unwrap();
+        for c in ["sha256:base", "sha256:top", "sha256:other"] {
+            s.put_snapshot(&snapshot(c), Some("b 1")).unwrap();
+        }
+        let mut on_top = image("sha256:i1", &["r:top"]);
+        on_top.chain_ids = vec!["sha256:base".into(), "sha256:top".into()];
+        let mut other = image("sha256:i2", &["r:other"]);
+        other.chain_ids = vec!["sha256:other".into()];
+        s.put_image(&on_top).unwrap();
+        s.put_image(&other).unwrap();
+        let removed = s.drop_snapshots(&["sha256:top".into()]).unwrap();
+        assert_eq!(
+            removed.iter().map(|i| i.id.as_str()).collect::<Vec<_>>(),
+            ["sha256:i1"]
+        );
+        assert_eq!(s.image("sha256:i1").unwrap(), None);
+        assert_eq!(s.image_id_by_name("r:top").unwrap(), None);
+        assert_eq!(s.image("sha256:i2").unwrap().unwrap().id, "sha256:i2");
+        assert_eq!(
+            s.image_id_by_name("r:other").unwrap().as_deref(),
+            Some("sha256:i2")
+        );
+        assert!(s.snapshot("sha256:top").unwrap().is_none());
+        assert!(s.snapshot("sha256:base").unwrap().is_some());
+        assert_eq!(
+            s.unsynced().unwrap(),
+            vec![
+                ("sha256:base".to_string(), "b 1".to_string()),
+                ("sha256:other".to_string(), "b 1".to_string())
+            ]
+        );
     }
 }
 

@@ -10,6 +10,7 @@
 //! written, so a crash mid-pull never leaves a half image listed. Snapshots and content that no
 //! image (and no pull in progress, through a lease) references are garbage-collected.
 
+mod durability;
 pub mod hosts;
 mod pull;
 pub mod registry;
@@ -248,6 +249,10 @@ struct Inner {
     /// Where a collection moves what it removes, to delete it after giving its lock back.
     trash_dir: PathBuf,
     sweeps: AtomicU64,
+    /// Syncs layers recorded before they were on disk (`durability`).
+    syncer: durability::Syncer,
+    /// Pulls in progress (their leases), which the syncer waits to see end.
+    pulls: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Runs one job at a time, and a request is answered by the first run to start after it
@@ -336,6 +341,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        self.inner.pulls.fetch_sub(1, Ordering::Relaxed);
         self.inner
             .leases
             .lock()
@@ -419,6 +425,19 @@ impl Images {
         let _ = std::fs::remove_dir_all(&ingest_dir);
         std::fs::create_dir_all(&ingest_dir)
             .map_err(|e| Error::io("create directory", &ingest_dir, e))?;
+        let unpacks = Arc::new(tokio::sync::Semaphore::new(config.max_node_unpacks));
+        let (dropped_tx, mut dropped) = tokio::sync::mpsc::unbounded_channel();
+        let pulls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let syncer = durability::Syncer::start(
+            store.clone(),
+            snapshots_dir.clone(),
+            durability::Activity {
+                unpacks: unpacks.clone(),
+                slots: config.max_node_unpacks,
+                pulls: pulls.clone(),
+            },
+            dropped_tx,
+        )?;
         let images = Images {
             inner: Arc::new(Inner {
                 store,
@@ -427,7 +446,7 @@ impl Images {
                 ingest_dir,
                 hosts_dir,
                 downloads: tokio::sync::Semaphore::new(config.max_concurrent_downloads),
-                unpacks: Arc::new(tokio::sync::Semaphore::new(config.max_node_unpacks)),
+                unpacks,
                 config,
                 clients: registry::Clients::default(),
                 inflight: Mutex::new(HashMap::new()),
@@ -436,14 +455,39 @@ impl Images {
                 gc: Coalesced::default(),
                 trash_dir,
                 sweeps: AtomicU64::new(0),
+                syncer,
+                pulls,
             }),
         };
+        // Layers dropped because their sync failed leave files no record owns.
+        let weak = Arc::downgrade(&images.inner);
+        tokio::spawn(async move {
+            while dropped.recv().await.is_some() {
+                let Some(inner) = weak.upgrade() else {
+                    return;
+                };
+                if let Err(e) = (Images { inner }).gc().await {
+                    tracing::warn!(error = %crate::error::chain(&e), "collecting dropped layers");
+                }
+            }
+        });
         images.remove_stale_unpacks()?;
+        // Whatever the config says now: rows an earlier daemon left are resolved either way.
+        let inner = &images.inner;
+        inner.syncer.recover(&inner.store, &inner.snapshots_dir)?;
         images.reconcile().await?;
         Ok(images)
     }
 
+    /// Waits (at most `limit`) for the layers recorded before their sync to be synced;
+    /// answers whether they were. For a graceful stop: what it leaves, a start in the next
+    /// boot drops.
+    pub async fn flush_syncs(&self, limit: std::time::Duration) -> bool {
+        self.inner.syncer.flush(limit).await
+    }
+
     fn lease(&self) -> Lease {
+        self.inner.pulls.fetch_add(1, Ordering::Relaxed);
         Lease {
             inner: self.inner.clone(),
             id: self.inner.next_lease.fetch_add(1, Ordering::Relaxed),
@@ -677,7 +721,7 @@ impl Images {
                 )))
             }
         };
-        self.inner.store.pin(owner, chain_ids)?;
+        self.inner.store.pin_recorded(owner, chain_ids)?;
         Ok(config)
     }
 
@@ -732,7 +776,9 @@ impl Images {
             keep.extend(img.chain_ids.iter().cloned());
         }
         // Layers of images in use by containers stay even when the image is removed.
-        keep.extend(self.inner.store.pinned()?);
+        let pinned = self.inner.store.pinned()?;
+        let pinned_hex: HashSet<String> = pinned.iter().map(|d| hex_of(d).to_string()).collect();
+        keep.extend(pinned);
         for items in self.inner.leases.lock().expect("leases poisoned").values() {
             keep.extend(items.iter().cloned());
         }
@@ -763,6 +809,13 @@ impl Images {
                     let name = e.file_name().to_string_lossy().into_owned();
                     // tmp-* dirs belong to unpacks in progress; start-up removes stale ones.
                     if is_snap && name.starts_with("tmp-") || keep_hex.contains(&name) {
+                        continue;
+                    }
+                    // A dropped layer's files stay while a container is pinned to its chain
+                    // id (its overlay still reads them), out of the way of a pull of it.
+                    if is_snap
+                        && durability::lost_chain_hex(&name).is_some_and(|h| pinned_hex.contains(h))
+                    {
                         continue;
                     }
                     let p = e.path();
@@ -870,6 +923,23 @@ mod tests {
             let record =
                 |id: &str| image_record(id, &format!("{id}-manifest"), &[&format!("{id}-layer")]);
             let (kept, removed) = (record("sha256:kept"), record("sha256:removed"));
+            for img in [&kept, &removed] {
+                for c in &img.chain_ids {
+                    store
+                        .put_snapshot(
+                            &crate::store::SnapshotRecord {
+                                v: crate::store::RECORD_VERSION,
+                                chain_id: c.clone(),
+                                diff_id: c.clone(),
+                                parent: None,
+                                usage_bytes: 0,
+                                usage_inodes: 0,
+                            },
+                            None,
+                        )
+                        .unwrap();
+                }
+            }
             store.put_image(&kept).unwrap();
             store.put_image(&removed).unwrap();
             std::fs::write(
@@ -989,9 +1059,6 @@ mod tests {
         bounded(async {
             let dir = tempfile::tempdir().unwrap();
             let (store, images) = images_in(dir.path()).await;
-            store
-                .put_image(&image_record(&digest('c'), &digest('d'), &[&digest('e')]))
-                .unwrap();
             store.pin("c1", &[digest('f')]).unwrap();
             for c in ['c', 'd', 'h'] {
                 std::fs::write(images.content_path(&digest(c)), b"x").unwrap();
@@ -999,16 +1066,22 @@ mod tests {
             for c in ['e', 'f', 'g'] {
                 std::fs::create_dir_all(images.snapshot_fs(&digest(c))).unwrap();
                 store
-                    .put_snapshot(&crate::store::SnapshotRecord {
-                        v: crate::store::RECORD_VERSION,
-                        chain_id: digest(c),
-                        diff_id: digest(c),
-                        parent: None,
-                        usage_bytes: 0,
-                        usage_inodes: 0,
-                    })
+                    .put_snapshot(
+                        &crate::store::SnapshotRecord {
+                            v: crate::store::RECORD_VERSION,
+                            chain_id: digest(c),
+                            diff_id: digest(c),
+                            parent: None,
+                            usage_bytes: 0,
+                            usage_inodes: 0,
+                        },
+                        None,
+                    )
                     .unwrap();
             }
+            store
+                .put_image(&image_record(&digest('c'), &digest('d'), &[&digest('e')]))
+                .unwrap();
             let unpacking = images.inner.snapshots_dir.join("tmp-eeee-1");
             std::fs::create_dir_all(&unpacking).unwrap();
 

@@ -38,8 +38,9 @@ pub(super) type LayerFuture = Shared<BoxFuture<'static, Result<(), Arc<Error>>>>
 
 /// A layer task's three milestones: `started` when its unpack holds one of the node's unpack
 /// slots (`image.max_node_unpacks`), `placed` when its snapshot directory is complete and in
-/// its final place (the layers above may unpack over it), `done` when it is also synced (with
-/// `image.sync_layers`) and recorded. Each resolves with the task's error if it fails first.
+/// its final place (the layers above may unpack over it), `done` when it is also recorded
+/// (after its sync with `image.wait_for_layer_sync`; otherwise the sync follows in the
+/// background, `durability`). Each resolves with the task's error if it fails first.
 #[derive(Clone)]
 pub(super) struct LayerTask {
     pub(super) started: LayerFuture,
@@ -664,10 +665,11 @@ impl LayerJob {
         // layer's files that another layer's sync (another pull's, even) had already seen,
         // and record the layer as complete.
         let sync_handle = if inner.config.sync_layers {
-            Some(
+            Some((
                 std::fs::File::open(&inner.snapshots_dir)
                     .map_err(|e| Error::io("open", &inner.snapshots_dir, e))?,
-            )
+                Instant::now(),
+            ))
         } else {
             None
         };
@@ -857,26 +859,44 @@ impl LayerJob {
         if let Some(tx) = milestones.placed.take() {
             let _ = tx.send(Ok(()));
         }
-        if let Some(handle) = sync_handle {
-            // The record below says the layer is complete: its files, and the rename that
-            // put them in place, must be on disk first, or a power loss leaves a "complete"
-            // layer of empty files. One syncfs per layer, as containerd's
-            // image_pull_with_sync_fs does; fsync of every file cost more (docs/BENCHMARKS.md).
-            tokio::task::spawn_blocking(move || {
-                nix::unistd::syncfs(handle.as_raw_fd()).map_err(std::io::Error::from)
-            })
-            .await
-            .map_err(|e| Error::Internal(format!("sync task: {e}")))?
-            .map_err(|e| Error::io("sync snapshot", &final_dir, e))?;
-        }
-        inner.store.put_snapshot(&SnapshotRecord {
+        let record = SnapshotRecord {
             v: RECORD_VERSION,
             chain_id: self.chain_id.clone(),
             diff_id: unpacked.diff_id,
             parent: self.lowers.first().cloned(),
             usage_bytes: unpacked.usage_bytes,
             usage_inodes: unpacked.usage_inodes,
-        })?;
+        };
+        match sync_handle {
+            Some((handle, opened)) if !inner.config.wait_for_layer_sync => {
+                // Recorded now and synced in the background: the token in the record's own
+                // transaction has the next boot drop the layer if the machine goes down
+                // before the sync (`durability`).
+                let token = inner.syncer.token();
+                inner.store.put_snapshot(&record, Some(&token))?;
+                inner.syncer.queue(super::durability::Pending {
+                    chain_id: self.chain_id.clone(),
+                    token,
+                    handle,
+                    opened,
+                });
+            }
+            Some((handle, _)) => {
+                // The record below says the layer is complete: its files, and the rename
+                // that put them in place, must be on disk first, or a power loss leaves a
+                // "complete" layer of empty files. One syncfs per layer, as containerd's
+                // image_pull_with_sync_fs does; fsync of every file cost more
+                // (docs/BENCHMARKS.md).
+                tokio::task::spawn_blocking(move || {
+                    nix::unistd::syncfs(handle.as_raw_fd()).map_err(std::io::Error::from)
+                })
+                .await
+                .map_err(|e| Error::Internal(format!("sync task: {e}")))?
+                .map_err(|e| Error::io("sync snapshot", &final_dir, e))?;
+                inner.store.put_snapshot(&record, None)?;
+            }
+            None => inner.store.put_snapshot(&record, None)?,
+        }
         final_cleanup.disarm();
         let ms = |from: Instant, to: Instant| to.duration_since(from).as_millis() as u64;
         tracing::debug!(
