@@ -343,14 +343,7 @@ impl Store {
 
     /// The snapshots recorded before a sync covered them: (chain id, token).
     pub fn unsynced(&self) -> Result<Vec<(String, String)>> {
-        let txn = self.db.begin_read()?;
-        let t = txn.open_table(UNSYNCED)?;
-        let mut out = Vec::new();
-        for row in t.iter()? {
-            let (k, v) = row?;
-            out.push((k.value().to_string(), v.value().to_string()));
-        }
-        Ok(out)
+        self.read_pairs(UNSYNCED)
     }
 
     /// Ends the unsynced state of each (chain id, token) still holding that token: a snapshot
@@ -798,8 +791,13 @@ impl Store {
 
     /// Every reservation, as (name, holder id).
     pub fn reservations(&self) -> Result<Vec<(String, String)>> {
+        self.read_pairs(RESERVATIONS)
+    }
+
+    /// Every row of a table of plain strings.
+    fn read_pairs(&self, def: TableDefinition<&str, &str>) -> Result<Vec<(String, String)>> {
         let txn = self.db.begin_read()?;
-        let t = txn.open_table(RESERVATIONS)?;
+        let t = txn.open_table(def)?;
         let mut out = Vec::new();
         for row in t.iter()? {
             let (k, v) = row?;
