@@ -1,7 +1,8 @@
 //! Pull benchmark, two parts, each runtime in the same run on the same machine, alternating:
 //!
 //! - Pull: a multi-layer image of about 200 MB from a local registry, pulled and unpacked
-//!   through CRI `PullImage` by hako (with and without `image.sync_layers`), Debian's
+//!   through CRI `PullImage` by hako (as configured by default, with
+//!   `image.wait_for_layer_sync` and without `image.sync_layers`), Debian's
 //!   containerd 1.6 and containerd 2.x (built by `.ci/build-containerd.sh`, see
 //!   `common::containerd2_dir`), each pull cold (the image removed in between).
 //! - Cold start: from `PullImage` of an image the node does not have to the container's first
@@ -123,13 +124,22 @@ fn main() {
         let name = format!("{}/bench/big:1", reg.addr);
         let certs =
             common::certs_for(&[(&reg.addr, &format!("server = \"http://{}\"\n", reg.addr))]);
-        // hako as configured by default (each layer synced to disk before it is recorded), and
-        // without the sync, as containerd pulls by default.
+        // hako as configured by default (each layer recorded at once and synced in the
+        // background), with each layer's sync before its record (the default until
+        // 2026-11-29), and without the sync, as containerd pulls by default.
+        let mut waited = start_hako_with(
+            certs.path(),
+            "warn",
+            None,
+            "[image]\nwait_for_layer_sync = true\n",
+        );
+        waited.name = "hako, wait_for_layer_sync = true";
         let mut unsynced =
             start_hako_with(certs.path(), "warn", None, "[image]\nsync_layers = false\n");
         unsynced.name = "hako, sync_layers = false";
         let mut runtimes = vec![
             start_hako(certs.path(), "warn", None),
+            waited,
             unsynced,
             start_containerd(certs.path(), None),
         ];
