@@ -8,9 +8,10 @@
 //! Across all pulls, downloads wait for one of `max_concurrent_downloads` slots and unpacks for one
 //! of `max_node_unpacks`, asked for once the layer's download is under way. An unpack waits for the
 //! layers below only when an entry's path must resolve through them (`unpack::unpack_layer_over`),
-//! and a layer is put in place only once the one below is. The layer below need not be synced and
-//! recorded yet: its `syncfs` overlaps this unpack, and each layer is still recorded only after a
-//! sync that covers its files. A task runs to completion even if every pull that asked for it is
+//! and a layer is put in place only once the one below is. The layer below need not be recorded
+//! yet. A layer is recorded marked unsynced and synced in the background (`durability`), or,
+//! with `image.wait_for_layer_sync`, recorded only after a sync that covers its files, which
+//! overlaps the unpack above. A task runs to completion even if every pull that asked for it is
 //! cancelled, so a half-written directory is never left to a dropped future.
 
 use std::future::Future;
@@ -663,7 +664,7 @@ impl LayerJob {
         // descriptor opened before the error, but to one opened later only while nobody has
         // reported it yet. Opened after the unpack, the sync would miss an error in this
         // layer's files that another layer's sync (another pull's, even) had already seen,
-        // and record the layer as complete.
+        // and trust the layer as complete.
         let sync_handle = if inner.config.sync_layers {
             Some((
                 std::fs::File::open(&inner.snapshots_dir)
