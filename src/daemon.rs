@@ -16,8 +16,10 @@ use crate::error::{Error, Result};
 use crate::image::Images;
 use crate::store::Store;
 
-/// How long a graceful stop waits for the background syncs of pulled layers.
-const FLUSH_GRACE: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a graceful stop waits for the background syncs of pulled layers, after the
+/// server's grace for in-flight calls (which the syncs overlap): the two stay under the
+/// unit's `TimeoutStopSec` (45 s).
+const FLUSH_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Everything the CRI handlers reach.
 pub struct Daemon {
@@ -231,8 +233,14 @@ async fn release_lost_monitors(
 /// `hako serve`.
 pub async fn serve(config: Config) -> Result<()> {
     let listen = config.listen.clone();
-    let shutdown = signalled()?;
+    let signal = signalled()?;
     let daemon = Daemon::open(config).await?;
+    // Queued layer syncs start at the signal, beside the in-flight calls' grace.
+    let images = daemon.images.clone();
+    let shutdown = async move {
+        signal.await;
+        images.stop_waiting_for_syncs();
+    };
     // The server reaches the pods through a weak handle: the daemon holds the server, and a
     // strong one would keep the daemon (and its store) alive past shutdown.
     daemon

@@ -42,6 +42,9 @@ const NAMES: TableDefinition<&str, &str> = TableDefinition::new("names");
 const SNAPSHOTS: TableDefinition<&str, &[u8]> = TableDefinition::new("snapshots");
 /// Chain id → the token of the unsynced record (see the module doc).
 const UNSYNCED: TableDefinition<&str, &str> = TableDefinition::new("unsynced");
+/// An unsynced row's value once its snapshot's files are known untrusted (a failed sync, or
+/// a machine that went down before the sync). No boot id reads so.
+pub const SYNC_FAILED: &str = "failed";
 const PODS: TableDefinition<&str, &[u8]> = TableDefinition::new("pods");
 const CONTAINERS: TableDefinition<&str, &[u8]> = TableDefinition::new("containers");
 /// Pod and container names (kubelet's unique keys) → id.
@@ -333,10 +336,64 @@ impl Store {
         Ok(())
     }
 
+    /// Removes a snapshot's record and its unsynced row, unless that row says its files
+    /// failed (`SYNC_FAILED`): such a row outlives the record until the files are out of
+    /// their place (`clear_failed`).
     pub fn remove_snapshot(&self, chain_id: &str) -> Result<()> {
         let txn = self.db.begin_write()?;
         txn.open_table(SNAPSHOTS)?.remove(chain_id)?;
-        txn.open_table(UNSYNCED)?.remove(chain_id)?;
+        {
+            let mut pending = txn.open_table(UNSYNCED)?;
+            let failed = pending
+                .get(chain_id)?
+                .is_some_and(|v| v.value() == SYNC_FAILED);
+            if !failed {
+                pending.remove(chain_id)?;
+            }
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    /// Marks failed each (chain id, token) whose row still holds that token (a row already
+    /// failed matches `SYNC_FAILED`), durably; answers the chain ids marked. A snapshot
+    /// recorded again since holds a newer token, and its files are not the ones that failed.
+    pub fn mark_failed(&self, rows: &[(String, String)]) -> Result<Vec<String>> {
+        let txn = self.db.begin_write()?;
+        let mut marked = Vec::new();
+        {
+            let mut t = txn.open_table(UNSYNCED)?;
+            for (chain_id, token) in rows {
+                let current = t.get(chain_id.as_str())?.map(|v| v.value().to_string());
+                if current.as_deref() == Some(token.as_str()) {
+                    t.insert(chain_id.as_str(), SYNC_FAILED)?;
+                    marked.push(chain_id.clone());
+                }
+            }
+        }
+        txn.commit()?;
+        Ok(marked)
+    }
+
+    /// Whether a snapshot's files are marked failed (and may still be in its place).
+    pub fn sync_failed(&self, chain_id: &str) -> Result<bool> {
+        let txn = self.db.begin_read()?;
+        let t = txn.open_table(UNSYNCED)?;
+        Ok(t.get(chain_id)?.is_some_and(|v| v.value() == SYNC_FAILED))
+    }
+
+    /// Ends the failed rows of these snapshots, once their files are out of their place.
+    pub fn clear_failed(&self, chain_ids: &[String]) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        {
+            let mut t = txn.open_table(UNSYNCED)?;
+            for c in chain_ids {
+                let failed = t.get(c.as_str())?.is_some_and(|v| v.value() == SYNC_FAILED);
+                if failed {
+                    t.remove(c.as_str())?;
+                }
+            }
+        }
         txn.commit()?;
         Ok(())
     }
@@ -369,11 +426,10 @@ impl Store {
         let txn = self.db.begin_write()?;
         let mut removed = Vec::new();
         {
+            // Their unsynced rows stay (`mark_failed`): they go once the files are moved.
             let mut snapshots = txn.open_table(SNAPSHOTS)?;
-            let mut pending = txn.open_table(UNSYNCED)?;
             for c in chain_ids {
                 snapshots.remove(c.as_str())?;
-                pending.remove(c.as_str())?;
             }
             let mut images = txn.open_table(IMAGES)?;
             let mut names = txn.open_table(NAMES)?;
@@ -1068,8 +1124,12 @@ mod tests {
         assert_eq!(s.pinned().unwrap(), ["sha256:a"]);
     }
 
-    /// Dropping layers removes their records, their unsynced state and every image on any of
-    /// them with the names pointing at it; other images and names stay.
+    /// Dropping layers removes their records and every image on any of them with the names
+    /// pointing at it; other images and names stay. A layer's failed mark takes only a row
+    /// still holding the sync's token, and outlives the record (a removal too) until it is
+    /// cleared: its files may still be in their place (seen failing with `mark_failed`
+    /// ignoring the token, `remove_snapshot` and `drop_snapshots` ending the row, and
+    /// `clear_failed` ending a row not failed).
     #[test]
     fn dropping_layers_drops_the_images_on_them_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
@@ -1077,6 +1137,15 @@ mod tests {
         for c in ["sha256:base", "sha256:top", "sha256:other"] {
             s.put_snapshot(&snapshot(c), Some("b 1")).unwrap();
         }
+        let marked = s
+            .mark_failed(&[
+                ("sha256:top".into(), "b 1".into()),
+                ("sha256:other".into(), "b 0".into()),
+            ])
+            .unwrap();
+        assert_eq!(marked, ["sha256:top"]);
+        assert!(s.sync_failed("sha256:top").unwrap());
+        assert!(!s.sync_failed("sha256:other").unwrap());
         let mut on_top = image("sha256:i1", &["r:top"]);
         on_top.chain_ids = vec!["sha256:base".into(), "sha256:top".into()];
         let mut other = image("sha256:i2", &["r:other"]);
@@ -1097,13 +1166,23 @@ mod tests {
         );
         assert!(s.snapshot("sha256:top").unwrap().is_none());
         assert!(s.snapshot("sha256:base").unwrap().is_some());
+        s.remove_snapshot("sha256:top").unwrap();
+        let rows = |s: &Store| {
+            s.unsynced()
+                .unwrap()
+                .into_iter()
+                .map(|(c, t)| format!("{c}={t}"))
+                .collect::<Vec<_>>()
+        };
         assert_eq!(
-            s.unsynced().unwrap(),
-            vec![
-                ("sha256:base".to_string(), "b 1".to_string()),
-                ("sha256:other".to_string(), "b 1".to_string())
-            ]
+            rows(&s),
+            ["sha256:base=b 1", "sha256:other=b 1", "sha256:top=failed"]
         );
+        s.clear_failed(&["sha256:top".into(), "sha256:other".into()])
+            .unwrap();
+        assert_eq!(rows(&s), ["sha256:base=b 1", "sha256:other=b 1"]);
+        s.remove_snapshot("sha256:other").unwrap();
+        assert_eq!(rows(&s), ["sha256:base=b 1"]);
     }
 }
 

@@ -3,32 +3,36 @@
 //! With `image.sync_layers` on and `image.wait_for_layer_sync` off (the defaults), a pull
 //! records a layer as soon as it is in place, with an `unsynced` token in the same
 //! transaction (`Store::put_snapshot`), and queues it here. One task syncs the image store's
-//! filesystem for every layer queued, once no unpack runs on the node (a `syncfs` during an
-//! unpack slows its file creates several times over, docs/BENCHMARKS.md), then ends the
-//! layers' unsynced state. The pull answers without waiting for the disk: that wait was most
-//! of a cold start's distance to containerd, which does not sync at all.
+//! filesystem for every layer queued, once no pull and no unpack runs on the node (a `syncfs`
+//! during an unpack slows its file creates several times over, docs/BENCHMARKS.md), then
+//! ends the layers' unsynced state. The pull answers without waiting for the disk: that wait
+//! was most of a cold start's distance to containerd, which does not sync at all.
 //!
 //! What a crash leaves, and what the next start does with it (`Syncer::recover`):
 //! - the daemon died and the machine did not (the token's boot id is this boot's): every
 //!   byte is in the page cache or on disk; the layers are queued again.
-//! - the machine went down (another boot id): a layer's files may be empty or missing. The
-//!   layer is dropped with every image on it, which kubelet pulls again, and its files are
-//!   moved aside (`move_aside`), to be deleted once no container is pinned to them.
+//! - the machine went down (another boot id), or the sync failed (the row reads
+//!   `SYNC_FAILED`): a layer's files may be empty or missing. The layer is dropped with every
+//!   image on it, which kubelet pulls again, and its files are moved aside (`drop_failed`),
+//!   to be deleted once no container is pinned to them.
 //!
-//! A failed sync drops its layers the same way at once. Limit: a start in the same boot
-//! syncs through a descriptor opened then, so a writeback error that another process's sync
-//! reported while no hako ran is not seen (the waited mode has no such window).
+//! A failed sync drops its layers the same way at once; the row is marked failed first, so a
+//! restart at any point after the error still drops them. Limit: a start in the same boot
+//! syncs through a descriptor opened then, so a writeback error that a sync reported before
+//! that start without hako marking it (another process's, or hako's own when the daemon died
+//! before the mark) is not seen (the waited mode has no such window).
 //!
-//! A graceful stop waits for what is queued (`Syncer::flush`), so a clean reboot after it
-//! drops nothing.
+//! A graceful stop syncs what is queued without waiting for a pause (`Syncer::flush`), so a
+//! clean reboot after it drops nothing.
 
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{chain, Error, Result};
-use crate::store::Store;
+use crate::store::{ImageRecord, Store, SYNC_FAILED};
 
 /// How long the node must have had no pull and no unpack before a queued sync runs: a
 /// `syncfs` holds up every `fsync` on the filesystem meanwhile (the store's commits among
@@ -52,8 +56,7 @@ pub(super) struct Activity {
 
 impl Activity {
     fn busy(&self) -> bool {
-        self.unpacks.available_permits() < self.slots
-            || self.pulls.load(std::sync::atomic::Ordering::Relaxed) > 0
+        self.unpacks.available_permits() < self.slots || self.pulls.load(Ordering::Relaxed) > 0
     }
 }
 
@@ -64,7 +67,7 @@ pub(super) struct Pending {
     pub token: String,
     /// The image store's directory, opened before the layer wrote its first byte: a
     /// writeback error since then is reported to this descriptor even when another sync saw
-    /// it first (`syncfs` keeps a per-file error cursor).
+    /// it first (`syncfs` keeps a per-file error cursor, Linux 5.8 and later).
     pub handle: std::fs::File,
     pub opened: Instant,
 }
@@ -75,8 +78,10 @@ pub(super) struct Syncer {
     tx: tokio::sync::mpsc::UnboundedSender<Pending>,
     /// Layers queued and not yet synced (or dropped).
     queued: Arc<tokio::sync::watch::Sender<usize>>,
-    boot_id: Arc<str>,
-    /// Ends the wait for a pause (a flush).
+    /// This boot's id; without one, every row a start finds is taken as an earlier boot's.
+    boot_id: Option<Arc<str>>,
+    /// Set once the daemon stops: queued layers no longer wait for a pause.
+    stopping: Arc<AtomicBool>,
     hurry: Arc<tokio::sync::Notify>,
 }
 
@@ -89,10 +94,17 @@ impl Syncer {
         snapshots_dir: PathBuf,
         activity: Activity,
         dropped: tokio::sync::mpsc::UnboundedSender<()>,
-    ) -> Result<Syncer> {
-        let boot_id = boot_id()?;
+    ) -> Syncer {
+        let boot_id = match boot_id() {
+            Ok(id) => Some(id.into()),
+            Err(e) => {
+                tracing::warn!(error = %chain(&e), "no boot id: layers a start finds unsynced are dropped, whoever left them");
+                None
+            }
+        };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let queued = Arc::new(tokio::sync::watch::channel(0).0);
+        let stopping = Arc::new(AtomicBool::new(false));
         let hurry = Arc::new(tokio::sync::Notify::new());
         let task = Task {
             store,
@@ -100,15 +112,17 @@ impl Syncer {
             activity,
             queued: queued.clone(),
             dropped,
+            stopping: stopping.clone(),
             hurry: hurry.clone(),
         };
         tokio::spawn(task.run(rx));
-        Ok(Syncer {
+        Syncer {
             tx,
             queued,
-            boot_id: boot_id.into(),
+            boot_id,
+            stopping,
             hurry,
-        })
+        }
     }
 
     /// A token no other record of this boot holds.
@@ -117,7 +131,8 @@ impl Syncer {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or_default();
-        format!("{} {nanos}-{}", self.boot_id, super::pull::unique())
+        let boot = self.boot_id.as_deref().unwrap_or("unknown-boot");
+        format!("{boot} {nanos}-{}", super::pull::unique())
     }
 
     pub fn queue(&self, p: Pending) {
@@ -128,10 +143,17 @@ impl Syncer {
         }
     }
 
-    /// Syncs what is queued now, without waiting for a pause, and waits (at most `limit`)
-    /// until every queued layer is synced; answers whether it was.
-    pub async fn flush(&self, limit: Duration) -> bool {
+    /// From now on, syncs what is queued without waiting for a pause: the daemon is stopping,
+    /// and the rest of its stop (in-flight calls, then `flush`) must fit systemd's timeout.
+    pub fn stop_waiting(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
         self.hurry.notify_one();
+    }
+
+    /// Syncs what is queued without waiting for a pause (`stop_waiting`), and waits (at most
+    /// `limit`) until every queued layer is synced; answers whether it was.
+    pub async fn flush(&self, limit: Duration) -> bool {
+        self.stop_waiting();
         let mut rx = self.queued.subscribe();
         tokio::time::timeout(limit, rx.wait_for(|n| *n == 0))
             .await
@@ -139,18 +161,19 @@ impl Syncer {
     }
 
     /// At start, before the store is reconciled: queues the layers this boot left unsynced
-    /// and drops those an earlier boot did (see the module doc). Answers the chain ids
-    /// dropped.
+    /// and drops those an earlier boot left, or whose sync failed (see the module doc).
+    /// Answers the chain ids dropped.
     pub fn recover(&self, store: &Store, snapshots_dir: &Path) -> Result<Vec<String>> {
         let rows = store.unsynced()?;
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
         let mut lost = Vec::new();
         for (chain_id, token) in rows {
-            if token.split(' ').next() == Some(&*self.boot_id) {
+            let ours = self
+                .boot_id
+                .as_deref()
+                .is_some_and(|b| token.split(' ').next() == Some(b));
+            if ours {
                 // Opened now: an error reported before this start and seen by nobody is still
-                // reported to it; one another process's sync saw first is not (see Pending).
+                // reported to it; one a sync saw first is not (see the module doc).
                 let handle = std::fs::File::open(snapshots_dir)
                     .map_err(|e| Error::io("open", snapshots_dir, e))?;
                 tracing::info!(chain_id = %chain_id, "syncing a layer an earlier daemon of this boot recorded before its sync");
@@ -161,20 +184,58 @@ impl Syncer {
                     opened: Instant::now(),
                 });
             } else {
-                lost.push(chain_id);
+                lost.push((chain_id, token));
             }
         }
         if lost.is_empty() {
-            return Ok(lost);
+            return Ok(Vec::new());
         }
-        move_aside(snapshots_dir, &lost)?;
-        let images = store.drop_snapshots(&lost)?;
+        let images = drop_failed(store, snapshots_dir, &lost)?;
         for img in &images {
-            tracing::warn!(image = %img.id, tags = ?img.repo_tags, "image removed: a layer of it was not yet on disk when the machine went down; pull it again");
+            tracing::warn!(image = %img.id, tags = ?img.repo_tags, "image removed: a layer of it was not on disk when the machine went down, or its sync failed; pull it again");
         }
-        tracing::warn!(layers = ?lost, "dropped layers recorded before their sync in an earlier boot");
+        let lost: Vec<String> = lost.into_iter().map(|(c, _)| c).collect();
+        tracing::warn!(layers = ?lost, "dropped layers recorded before a sync that did not happen or failed");
         Ok(lost)
     }
+}
+
+/// Drops layers whose files cannot be trusted, given as (chain id, token): marks their rows
+/// failed (durably, first: a restart from here on drops them too, in any boot), moves their
+/// directories aside, drops their records and every image on them, and ends the rows once the
+/// move is on disk. A row whose token changed (the layer recorded again since) is left: its
+/// files are another copy. Answers the images dropped.
+fn drop_failed(
+    store: &Store,
+    snapshots_dir: &Path,
+    rows: &[(String, String)],
+) -> Result<Vec<ImageRecord>> {
+    let lost = store.mark_failed(rows)?;
+    if lost.is_empty() {
+        return Ok(Vec::new());
+    }
+    let moved = move_aside(snapshots_dir, &lost);
+    let images = store.drop_snapshots(&lost)?;
+    match moved {
+        Ok(()) => store.clear_failed(&lost)?,
+        Err(e) => {
+            // Dropped all the same, so nothing new starts on them; their rows stay failed,
+            // and a pull of one of them or the next start moves it again (`retire`).
+            tracing::error!(error = %chain(&e), layers = ?lost, "moving aside layers whose files cannot be trusted");
+        }
+    }
+    Ok(images)
+}
+
+/// For a pull about to put a layer in place: if the layer's files were marked failed and
+/// could not be moved aside then, moves them now, or fails, so that they are never adopted.
+pub(super) fn retire(store: &Store, snapshots_dir: &Path, chain_id: &str) -> Result<()> {
+    if !store.sync_failed(chain_id)? {
+        return Ok(());
+    }
+    let chain_ids = [chain_id.to_string()];
+    move_aside(snapshots_dir, &chain_ids)?;
+    store.clear_failed(&chain_ids)
 }
 
 /// Where a dropped layer's files go: `lost-<chain hex>-<n>` beside the snapshots.
@@ -185,12 +246,13 @@ pub(super) fn lost_chain_hex(name: &str) -> Option<&str> {
     name.strip_prefix(LOST)?.split('-').next()
 }
 
-/// Moves dropped layers' directories out of their place, before their records go: a pull of
-/// the same layer must unpack it afresh, never adopt these files as a snapshot a container
-/// still uses (`pull.rs`, `in_use`), even after a crash between the move and the records.
-/// A container's overlay keeps reading them where they went, and a collection deletes them
-/// once no container is pinned to their chain id.
+/// Moves dropped layers' directories out of their place: a pull of the same layer must
+/// unpack it afresh, never adopt these files as a snapshot a container still uses
+/// (`pull.rs`, `in_use`). A container's overlay keeps reading them where they went, and a
+/// collection deletes them once no container is pinned to their chain id. Moves every one it
+/// can; fails if any move, or the sync of the directory that makes them last, failed.
 fn move_aside(snapshots_dir: &Path, chain_ids: &[String]) -> Result<()> {
+    let mut first_error = None;
     for c in chain_ids {
         let hex = super::hex_of(c);
         let from = snapshots_dir.join(hex);
@@ -198,12 +260,18 @@ fn move_aside(snapshots_dir: &Path, chain_ids: &[String]) -> Result<()> {
         match std::fs::rename(&from, &to) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::io("move aside", &from, e)),
+            Err(e) => {
+                first_error.get_or_insert(Error::io("move aside", &from, e));
+            }
         }
     }
-    std::fs::File::open(snapshots_dir)
+    let synced = std::fs::File::open(snapshots_dir)
         .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io("sync", snapshots_dir, e))
+        .map_err(|e| Error::io("sync", snapshots_dir, e));
+    match first_error {
+        Some(e) => Err(e),
+        None => synced,
+    }
 }
 
 /// This boot's id: it changes with every boot, and only then.
@@ -211,7 +279,7 @@ fn boot_id() -> Result<String> {
     let p = Path::new("/proc/sys/kernel/random/boot_id");
     let id = std::fs::read_to_string(p).map_err(|e| Error::io("read", p, e))?;
     let id = id.trim();
-    if id.is_empty() || id.contains(' ') {
+    if id.is_empty() || id.contains(' ') || id == SYNC_FAILED {
         return Err(Error::Internal(format!(
             "{} holds no boot id: {id:?}",
             p.display()
@@ -226,6 +294,7 @@ struct Task {
     activity: Activity,
     queued: Arc<tokio::sync::watch::Sender<usize>>,
     dropped: tokio::sync::mpsc::UnboundedSender<()>,
+    stopping: Arc<AtomicBool>,
     hurry: Arc<tokio::sync::Notify>,
 }
 
@@ -242,17 +311,26 @@ impl Task {
                 batch.push(more);
             }
             let n = batch.len();
-            self.sync(batch, waited).await;
+            let (store, dir) = (self.store.clone(), self.snapshots_dir.clone());
+            // Syncs, commits, renames: all blocking, and slow on a failing disk.
+            match tokio::task::spawn_blocking(move || sync_batch(&store, &dir, batch, waited)).await
+            {
+                Ok(true) => {
+                    let _ = self.dropped.send(());
+                }
+                Ok(false) => {}
+                Err(e) => tracing::error!(error = %e, "layer sync task"),
+            }
             self.queued.send_modify(|q| *q -= n);
         }
     }
 
-    /// Resolves once the node has had no pull and no unpack for `QUIET`, or after
-    /// `QUIET_WAIT`.
+    /// Resolves once the node has had no pull and no unpack for `QUIET`, after `QUIET_WAIT`,
+    /// or at once while the daemon stops.
     async fn pause(&self) {
         let asked = Instant::now();
         let mut quiet_since = None;
-        while asked.elapsed() < QUIET_WAIT {
+        while asked.elapsed() < QUIET_WAIT && !self.stopping.load(Ordering::Relaxed) {
             if self.activity.busy() {
                 quiet_since = None;
             } else if quiet_since.get_or_insert_with(Instant::now).elapsed() >= QUIET {
@@ -261,67 +339,62 @@ impl Task {
             tokio::time::sleep(QUIET_POLL).await;
         }
     }
+}
 
-    async fn sync(&self, batch: Vec<Pending>, waited: Instant) {
-        let n = batch.len();
-        let done: Vec<(String, String)> = batch
-            .iter()
-            .map(|p| (p.chain_id.clone(), p.token.clone()))
-            .collect();
-        let started = Instant::now();
-        // One sync covers every layer of the batch: all were in place before it began. It
-        // goes through the descriptor opened first, whose error cursor is the oldest: an
-        // error in any of their files is reported to it.
-        let synced = tokio::task::spawn_blocking(move || {
-            let oldest = batch
-                .iter()
-                .min_by_key(|p| p.opened)
-                .expect("a batch has a layer");
-            nix::unistd::syncfs(oldest.handle.as_raw_fd()).map_err(std::io::Error::from)
-        })
-        .await;
-        let outcome = match synced {
-            Ok(Ok(())) => self.store.mark_synced(&done),
-            Ok(Err(e)) => Err(Error::io("sync snapshots in", &self.snapshots_dir, e)),
-            Err(e) => Err(Error::Internal(format!("sync task: {e}"))),
-        };
-        let Err(e) = outcome else {
+/// Syncs a batch and ends its rows, or drops its layers if the sync failed; answers whether
+/// it dropped any.
+fn sync_batch(store: &Store, snapshots_dir: &Path, batch: Vec<Pending>, waited: Instant) -> bool {
+    let rows: Vec<(String, String)> = batch
+        .iter()
+        .map(|p| (p.chain_id.clone(), p.token.clone()))
+        .collect();
+    let started = Instant::now();
+    // One sync covers every layer of the batch: all were in place before it began. It goes
+    // through the descriptor opened first, whose error cursor is the oldest: an error in any
+    // of their files is reported to it.
+    let oldest = batch
+        .iter()
+        .min_by_key(|p| p.opened)
+        .expect("a batch has a layer");
+    let e = match nix::unistd::syncfs(oldest.handle.as_raw_fd()) {
+        Ok(()) => {
+            if let Err(e) = store.mark_synced(&rows) {
+                // The files are on disk: the rows stay, and the next start syncs them again.
+                tracing::error!(error = %chain(&e), "ending the unsynced state of synced layers");
+                return false;
+            }
             tracing::debug!(
-                layers = n,
+                layers = rows.len(),
                 waited_ms = started.duration_since(waited).as_millis() as u64,
                 sync_ms = started.elapsed().as_millis() as u64,
                 "layers synced"
             );
-            return;
-        };
-        // The data may never reach the disk: the layers and their images go now (a later
-        // pull fetches them again), not at the next boot. A running container keeps its
-        // files: they stay while it is pinned to them.
-        let lost: Vec<String> = done.into_iter().map(|(c, _)| c).collect();
-        tracing::error!(error = %chain(&e), layers = ?lost, "layers could not be synced; dropping them and their images");
-        if let Err(e) = move_aside(&self.snapshots_dir, &lost) {
-            // Left with their records: their rows stay, and the next boot drops them.
-            tracing::error!(error = %chain(&e), "moving aside layers that could not be synced");
-            return;
+            return false;
         }
-        match self.store.drop_snapshots(&lost) {
-            Ok(images) => {
-                for img in images {
-                    tracing::error!(image = %img.id, tags = ?img.repo_tags, "image removed: a layer of it could not be synced; pull it again");
-                }
-            }
-            Err(e) => {
-                tracing::error!(error = %chain(&e), "dropping layers that could not be synced")
+        Err(e) => Error::io("sync snapshots in", snapshots_dir, std::io::Error::from(e)),
+    };
+    // The data may never reach the disk: the layers and their images go now (a later pull
+    // fetches them again), not at the next boot. A container already created on them keeps
+    // its files (they stay while it is pinned to them) and what it reads of them.
+    let lost: Vec<&str> = rows.iter().map(|(c, _)| c.as_str()).collect();
+    tracing::error!(error = %chain(&e), layers = ?lost, "layers could not be synced; dropping them and their images");
+    match drop_failed(store, snapshots_dir, &rows) {
+        Ok(images) => {
+            for img in images {
+                tracing::error!(image = %img.id, tags = ?img.repo_tags, "image removed: a layer of it could not be synced; pull it again");
             }
         }
-        let _ = self.dropped.send(());
+        Err(e) => {
+            tracing::error!(error = %chain(&e), "dropping layers that could not be synced")
+        }
     }
+    true
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{ImageRecord, SnapshotRecord, RECORD_VERSION};
+    use crate::store::{SnapshotRecord, RECORD_VERSION};
 
     fn snapshot(chain_id: &str) -> SnapshotRecord {
         SnapshotRecord {
@@ -348,10 +421,11 @@ mod tests {
         }
     }
 
-    /// A start finds one layer left unsynced by a daemon of this boot and one by an earlier
-    /// boot: the first is synced and kept with its image, the second goes with its image,
-    /// its files moved aside (seen failing with every row taken as this boot's, and with the
-    /// earlier boot's files left in place).
+    /// A start finds one layer left unsynced by a daemon of this boot, one by an earlier boot
+    /// and one of this boot whose sync failed: the first is synced and kept with its image,
+    /// the others go with their images, their files moved aside (seen failing with every row
+    /// taken as this boot's, with a failed row taken as this boot's, and with the earlier
+    /// boot's files left in place).
     #[tokio::test]
     async fn a_start_syncs_this_boots_layers_and_drops_an_earlier_boots() {
         let dir = tempfile::tempdir().unwrap();
@@ -359,7 +433,8 @@ mod tests {
         let store = Arc::new(Store::open(&dir.path().join("meta.db")).unwrap());
         let c_now = format!("sha256:{}", "a".repeat(64));
         let c_then = format!("sha256:{}", "b".repeat(64));
-        for c in [&c_now, &c_then] {
+        let c_failed = format!("sha256:{}", "f".repeat(64));
+        for c in [&c_now, &c_then, &c_failed] {
             std::fs::create_dir_all(snaps.join(super::super::hex_of(c)).join("fs/bin")).unwrap();
         }
         let syncer = Syncer::start(
@@ -367,13 +442,18 @@ mod tests {
             snaps.clone(),
             activity().0,
             tokio::sync::mpsc::unbounded_channel().0,
-        )
-        .unwrap();
+        );
         store
             .put_snapshot(&snapshot(&c_now), Some(&syncer.token()))
             .unwrap();
         store
             .put_snapshot(&snapshot(&c_then), Some("0f0f0f0f-earlier-boot 7-1"))
+            .unwrap();
+        store
+            .put_snapshot(&snapshot(&c_failed), Some(SYNC_FAILED))
+            .unwrap();
+        store
+            .put_image(&image("sha256:i3", "r:failed", &[&c_failed]))
             .unwrap();
         store
             .put_image(&image("sha256:i1", "r:now", &[&c_now]))
@@ -383,7 +463,9 @@ mod tests {
             .unwrap();
 
         let lost = syncer.recover(&store, &snaps).unwrap();
-        assert_eq!(lost, vec![c_then.clone()]);
+        assert_eq!(lost, vec![c_then.clone(), c_failed.clone()]);
+        assert!(store.image("sha256:i3").unwrap().is_none());
+        assert!(!snaps.join(super::super::hex_of(&c_failed)).exists());
         assert!(syncer.flush(Duration::from_secs(10)).await);
         assert_eq!(store.unsynced().unwrap(), vec![]);
         assert!(store.snapshot(&c_now).unwrap().is_some());
@@ -436,8 +518,7 @@ mod tests {
             snaps.clone(),
             activity,
             tokio::sync::mpsc::unbounded_channel().0,
-        )
-        .unwrap();
+        );
         let queue = |c: char| {
             let c = format!("sha256:{}", c.to_string().repeat(64));
             let token = syncer.token();
@@ -472,5 +553,77 @@ mod tests {
         queue('d');
         assert!(syncer.flush(QUIET / 2).await, "a flush waits for no pause");
         assert_eq!(store.unsynced().unwrap(), vec![]);
+        // The daemon is stopping: what is queued after the flush waits for no pause either.
+        queue('e');
+        assert!(
+            synced_within(QUIET / 2).await,
+            "waited for a pause while stopping"
+        );
+    }
+
+    /// Files of a layer dropped at start that cannot be moved aside (an immutable directory
+    /// here) leave the layer dropped all the same, its row marked failed, and a pull of it
+    /// fails until they can be moved; then they are, and the row ends (seen failing with the
+    /// drop giving up on a failed move, with the failed row ended regardless, and with
+    /// `retire` not looking at the row).
+    #[tokio::test]
+    async fn files_that_could_not_be_moved_aside_stay_marked_until_they_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let snaps = dir.path().join("snapshots");
+        let store = Arc::new(Store::open(&dir.path().join("meta.db")).unwrap());
+        let c = format!("sha256:{}", "a".repeat(64));
+        let layer = snaps.join(super::super::hex_of(&c));
+        std::fs::create_dir_all(layer.join("fs")).unwrap();
+        store
+            .put_snapshot(&snapshot(&c), Some("0f0f0f0f-earlier-boot 7-1"))
+            .unwrap();
+        store.put_image(&image("sha256:i", "r:x", &[&c])).unwrap();
+        let chattr = |flag: &str| {
+            std::process::Command::new("chattr")
+                .arg(flag)
+                .arg(&snaps)
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !chattr("+i") {
+            eprintln!("SKIP: chattr +i failed on {}", snaps.display());
+            return;
+        }
+        struct Mutable<F: Fn(&str) -> bool>(F);
+        impl<F: Fn(&str) -> bool> Drop for Mutable<F> {
+            fn drop(&mut self) {
+                (self.0)("-i");
+            }
+        }
+        let guard = Mutable(chattr);
+        let syncer = Syncer::start(
+            store.clone(),
+            snaps.clone(),
+            activity().0,
+            tokio::sync::mpsc::unbounded_channel().0,
+        );
+
+        assert_eq!(syncer.recover(&store, &snaps).unwrap(), vec![c.clone()]);
+        assert!(store.snapshot(&c).unwrap().is_none());
+        assert!(store.image("sha256:i").unwrap().is_none());
+        assert!(store.sync_failed(&c).unwrap());
+        assert!(layer.join("fs").is_dir());
+        let e = retire(&store, &snaps, &c).unwrap_err();
+        assert!(e.to_string().contains("move aside"), "{e}");
+        assert!(layer.join("fs").is_dir());
+
+        drop(guard);
+        retire(&store, &snaps, &c).unwrap();
+        assert!(!layer.exists());
+        assert!(!store.sync_failed(&c).unwrap());
+        assert_eq!(store.unsynced().unwrap(), vec![]);
+        let aside = std::fs::read_dir(&snaps)
+            .unwrap()
+            .filter(|e| {
+                let n = e.as_ref().unwrap().file_name().into_string().unwrap();
+                lost_chain_hex(&n) == Some(super::super::hex_of(&c))
+            })
+            .count();
+        assert_eq!(aside, 1);
     }
 }

@@ -437,7 +437,7 @@ impl Images {
                 pulls: pulls.clone(),
             },
             dropped_tx,
-        )?;
+        );
         let images = Images {
             inner: Arc::new(Inner {
                 store,
@@ -484,6 +484,12 @@ impl Images {
     /// boot drops.
     pub async fn flush_syncs(&self, limit: std::time::Duration) -> bool {
         self.inner.syncer.flush(limit).await
+    }
+
+    /// The daemon is stopping: layers queued for their sync no longer wait for a pause in the
+    /// node's pulls and unpacks.
+    pub fn stop_waiting_for_syncs(&self) {
+        self.inner.syncer.stop_waiting();
     }
 
     fn lease(&self) -> Lease {
