@@ -11,6 +11,7 @@
 //! - `unsynced`: chain id → `<boot id> <n>`, for a snapshot recorded before its files were
 //!   synced to disk (written in the record's own transaction, removed once a sync covers it):
 //!   a start in another boot drops such a snapshot and the images on it (`image::durability`).
+//!   `failed` (`SYNC_FAILED`) once its files are known untrusted, until they are moved aside.
 //! - `pods`, `containers`: id → the runtime's records (`pods::types`).
 //! - `reservations`: pod or container name (kubelet's unique key) → id; `pins`: container id
 //!   → chain ids it keeps from GC.
@@ -87,6 +88,21 @@ pub struct SnapshotRecord {
     /// Disk usage of the unpacked layer: allocated bytes and inodes.
     pub usage_bytes: u64,
     pub usage_inodes: u64,
+}
+
+#[cfg(test)]
+impl SnapshotRecord {
+    /// A record of a layer whose diff id is its chain id, with no parent and no usage.
+    pub(crate) fn bare(chain_id: &str) -> SnapshotRecord {
+        SnapshotRecord {
+            v: RECORD_VERSION,
+            chain_id: chain_id.into(),
+            diff_id: chain_id.into(),
+            parent: None,
+            usage_bytes: 0,
+            usage_inodes: 0,
+        }
+    }
 }
 
 pub struct Store {
@@ -359,20 +375,10 @@ impl Store {
     /// failed matches `SYNC_FAILED`), durably; answers the chain ids marked. A snapshot
     /// recorded again since holds a newer token, and its files are not the ones that failed.
     pub fn mark_failed(&self, rows: &[(String, String)]) -> Result<Vec<String>> {
-        let txn = self.db.begin_write()?;
-        let mut marked = Vec::new();
-        {
-            let mut t = txn.open_table(UNSYNCED)?;
-            for (chain_id, token) in rows {
-                let current = t.get(chain_id.as_str())?.map(|v| v.value().to_string());
-                if current.as_deref() == Some(token.as_str()) {
-                    t.insert(chain_id.as_str(), SYNC_FAILED)?;
-                    marked.push(chain_id.clone());
-                }
-            }
-        }
-        txn.commit()?;
-        Ok(marked)
+        self.swap_unsynced(
+            rows.iter().map(|(c, t)| (c.as_str(), t.as_str())),
+            Some(SYNC_FAILED),
+        )
     }
 
     /// Whether a snapshot's files are marked failed (and may still be in its place).
@@ -384,17 +390,7 @@ impl Store {
 
     /// Ends the failed rows of these snapshots, once their files are out of their place.
     pub fn clear_failed(&self, chain_ids: &[String]) -> Result<()> {
-        let txn = self.db.begin_write()?;
-        {
-            let mut t = txn.open_table(UNSYNCED)?;
-            for c in chain_ids {
-                let failed = t.get(c.as_str())?.is_some_and(|v| v.value() == SYNC_FAILED);
-                if failed {
-                    t.remove(c.as_str())?;
-                }
-            }
-        }
-        txn.commit()?;
+        self.swap_unsynced(chain_ids.iter().map(|c| (c.as_str(), SYNC_FAILED)), None)?;
         Ok(())
     }
 
@@ -406,18 +402,35 @@ impl Store {
     /// Ends the unsynced state of each (chain id, token) still holding that token: a snapshot
     /// removed and recorded again since holds a newer one, which this sync may not cover.
     pub fn mark_synced(&self, done: &[(String, String)]) -> Result<()> {
+        self.swap_unsynced(done.iter().map(|(c, t)| (c.as_str(), t.as_str())), None)?;
+        Ok(())
+    }
+
+    /// In one durable transaction, sets each (chain id, expected value) row still holding
+    /// that value to `to` (removes it with `None`); answers the chain ids changed.
+    fn swap_unsynced<'a>(
+        &self,
+        rows: impl Iterator<Item = (&'a str, &'a str)>,
+        to: Option<&str>,
+    ) -> Result<Vec<String>> {
         let txn = self.db.begin_write()?;
+        let mut changed = Vec::new();
         {
             let mut t = txn.open_table(UNSYNCED)?;
-            for (chain_id, token) in done {
-                let current = t.get(chain_id.as_str())?.map(|v| v.value().to_string());
-                if current.as_deref() == Some(token.as_str()) {
-                    t.remove(chain_id.as_str())?;
+            for (chain_id, expected) in rows {
+                let holds = t.get(chain_id)?.is_some_and(|v| v.value() == expected);
+                if !holds {
+                    continue;
                 }
+                match to {
+                    Some(v) => t.insert(chain_id, v)?,
+                    None => t.remove(chain_id)?,
+                };
+                changed.push(chain_id.to_string());
             }
         }
         txn.commit()?;
-        Ok(())
+        Ok(changed)
     }
 
     /// Removes the records of snapshots whose files cannot be trusted, and every image on
@@ -467,17 +480,12 @@ impl Store {
     pub fn put_image(&self, rec: &ImageRecord) -> Result<Vec<ImageRecord>> {
         let txn = self.db.begin_write()?;
         let mut orphans = Vec::new();
-        {
-            let snapshots = txn.open_table(SNAPSHOTS)?;
-            for c in &rec.chain_ids {
-                if snapshots.get(c.as_str())?.is_none() {
-                    return Err(Error::Internal(format!(
-                        "image {}: its layer {c} is no longer recorded (dropped because the \
-                         disk did not take it, see the log); pull it again",
-                        rec.id
-                    )));
-                }
-            }
+        if let Some(c) = first_unrecorded(&txn, &rec.chain_ids)? {
+            return Err(Error::Internal(format!(
+                "image {}: its layer {c} is no longer recorded (dropped because the disk did \
+                 not take it, see the log); pull it again",
+                rec.id
+            )));
         }
         {
             let mut images = txn.open_table(IMAGES)?;
@@ -805,17 +813,11 @@ impl Store {
     /// create's pin otherwise waits for, and its files are moved away.
     pub fn pin_recorded(&self, owner: &str, chain_ids: &[String]) -> Result<()> {
         let txn = self.lazy_write()?;
-        {
-            let snapshots = txn.open_table(SNAPSHOTS)?;
-            for c in chain_ids {
-                if snapshots.get(c.as_str())?.is_none() {
-                    return Err(Error::NotFound(format!(
-                        "container {owner}: its image's layer {c} is no longer recorded \
-                         (dropped because the disk did not take it, see the log); pull the \
-                         image again"
-                    )));
-                }
-            }
+        if let Some(c) = first_unrecorded(&txn, chain_ids)? {
+            return Err(Error::NotFound(format!(
+                "container {owner}: its image's layer {c} is no longer recorded (dropped \
+                 because the disk did not take it, see the log); pull the image again"
+            )));
         }
         txn.open_table(PINS)?
             .insert(owner, encode(&chain_ids).as_slice())?;
@@ -880,6 +882,20 @@ impl Store {
             .flatten()
             .collect())
     }
+}
+
+/// The first of `chain_ids` without a snapshot record, as `txn` sees the table.
+fn first_unrecorded<'a>(
+    txn: &redb::WriteTransaction,
+    chain_ids: &'a [String],
+) -> Result<Option<&'a str>> {
+    let snapshots = txn.open_table(SNAPSHOTS)?;
+    for c in chain_ids {
+        if snapshots.get(c.as_str())?.is_none() {
+            return Ok(Some(c));
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]
@@ -1062,14 +1078,7 @@ mod tests {
     }
 
     fn snapshot(chain_id: &str) -> SnapshotRecord {
-        SnapshotRecord {
-            v: 1,
-            chain_id: chain_id.into(),
-            diff_id: chain_id.into(),
-            parent: None,
-            usage_bytes: 0,
-            usage_inodes: 0,
-        }
+        SnapshotRecord::bare(chain_id)
     }
 
     /// A sync ends only the unsynced state it covered: a layer removed and recorded again

@@ -396,15 +396,18 @@ mod tests {
     use super::*;
     use crate::store::{SnapshotRecord, RECORD_VERSION};
 
+    /// A syncer of `snaps`, its drops heard by nobody.
+    fn start(store: &Arc<Store>, snaps: &Path, activity: Activity) -> Syncer {
+        Syncer::start(
+            store.clone(),
+            snaps.to_path_buf(),
+            activity,
+            tokio::sync::mpsc::unbounded_channel().0,
+        )
+    }
+
     fn snapshot(chain_id: &str) -> SnapshotRecord {
-        SnapshotRecord {
-            v: RECORD_VERSION,
-            chain_id: chain_id.into(),
-            diff_id: chain_id.into(),
-            parent: None,
-            usage_bytes: 0,
-            usage_inodes: 0,
-        }
+        SnapshotRecord::bare(chain_id)
     }
 
     fn image(id: &str, tag: &str, chain_ids: &[&str]) -> ImageRecord {
@@ -437,12 +440,7 @@ mod tests {
         for c in [&c_now, &c_then, &c_failed] {
             std::fs::create_dir_all(snaps.join(super::super::hex_of(c)).join("fs/bin")).unwrap();
         }
-        let syncer = Syncer::start(
-            store.clone(),
-            snaps.clone(),
-            activity().0,
-            tokio::sync::mpsc::unbounded_channel().0,
-        );
+        let syncer = start(&store, &snaps, activity().0);
         store
             .put_snapshot(&snapshot(&c_now), Some(&syncer.token()))
             .unwrap();
@@ -513,12 +511,7 @@ mod tests {
         std::fs::create_dir_all(&snaps).unwrap();
         let store = Arc::new(Store::open(&dir.path().join("meta.db")).unwrap());
         let (activity, unpacks, pulls) = activity();
-        let syncer = Syncer::start(
-            store.clone(),
-            snaps.clone(),
-            activity,
-            tokio::sync::mpsc::unbounded_channel().0,
-        );
+        let syncer = start(&store, &snaps, activity);
         let queue = |c: char| {
             let c = format!("sha256:{}", c.to_string().repeat(64));
             let token = syncer.token();
@@ -596,12 +589,7 @@ mod tests {
             }
         }
         let guard = Mutable(chattr);
-        let syncer = Syncer::start(
-            store.clone(),
-            snaps.clone(),
-            activity().0,
-            tokio::sync::mpsc::unbounded_channel().0,
-        );
+        let syncer = start(&store, &snaps, activity().0);
 
         assert_eq!(syncer.recover(&store, &snaps).unwrap(), vec![c.clone()]);
         assert!(store.snapshot(&c).unwrap().is_none());

@@ -932,17 +932,7 @@ mod tests {
             for img in [&kept, &removed] {
                 for c in &img.chain_ids {
                     store
-                        .put_snapshot(
-                            &crate::store::SnapshotRecord {
-                                v: crate::store::RECORD_VERSION,
-                                chain_id: c.clone(),
-                                diff_id: c.clone(),
-                                parent: None,
-                                usage_bytes: 0,
-                                usage_inodes: 0,
-                            },
-                            None,
-                        )
+                        .put_snapshot(&crate::store::SnapshotRecord::bare(c), None)
                         .unwrap();
                 }
             }
@@ -1072,17 +1062,7 @@ mod tests {
             for c in ['e', 'f', 'g'] {
                 std::fs::create_dir_all(images.snapshot_fs(&digest(c))).unwrap();
                 store
-                    .put_snapshot(
-                        &crate::store::SnapshotRecord {
-                            v: crate::store::RECORD_VERSION,
-                            chain_id: digest(c),
-                            diff_id: digest(c),
-                            parent: None,
-                            usage_bytes: 0,
-                            usage_inodes: 0,
-                        },
-                        None,
-                    )
+                    .put_snapshot(&crate::store::SnapshotRecord::bare(&digest(c)), None)
                     .unwrap();
             }
             store
