@@ -839,8 +839,10 @@ impl LayerJob {
         };
         let (asked, started, unpacked) = unpacked?;
         // Files of an earlier copy whose sync failed, left in place by a move that failed
-        // too: moved aside now, never adopted below.
-        super::durability::retire(&inner.store, &inner.snapshots_dir, &self.chain_id)?;
+        // too: moved aside now, never adopted below. (Nothing in place, nothing to look up.)
+        if final_dir.exists() {
+            super::durability::retire(&inner.store, &inner.snapshots_dir, &self.chain_id)?;
+        }
         let in_use = final_dir.exists() && inner.store.pinned()?.contains(&self.chain_id);
         if in_use {
             // A record-less snapshot a container still runs on (its record was adopted after
