@@ -1326,13 +1326,21 @@ async fn disk_loses_a_layer(wait_for_sync: bool) {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        let log = h.log_text();
-        assert!(log.contains("layers could not be synced"), "{log}");
-        assert_eq!(log.contains("image removed"), recorded, "{log}");
+        // The image's record goes before its removal is logged, and the log line before the
+        // collection: read the log once the files are collected, not when the image is gone.
         wait_until("the lost layer's files collected", || {
             snapshot_dirs(&h).is_empty()
         })
         .await;
+        if recorded {
+            wait_until("the image's removal logged", || {
+                h.log_text().contains("image removed")
+            })
+            .await;
+        }
+        let log = h.log_text();
+        assert!(log.contains("layers could not be synced"), "{log}");
+        assert_eq!(log.contains("image removed"), recorded, "{log}");
     }
     assert!(status(&h, &name).await.is_none());
     assert!(snapshot_dirs(&h).is_empty(), "{:?}", snapshot_dirs(&h));
