@@ -65,6 +65,11 @@ pub struct RuntimeConfig {
     /// option of the same name). Applied anyway when the daemon lacks CAP_SYS_RESOURCE, since
     /// the kernel would refuse the lower value.
     pub restrict_oom_score_adj: bool,
+    /// Mount containers' writable layers without overlayfs' `volatile` option: a container's
+    /// fsyncs then reach the disk, and each removal syncs the whole filesystem under the root
+    /// dir (containerd's default). Off, as CRI-O has it: no container's layer is used again
+    /// after a crash, and that sync would flush every other writer's data with it.
+    pub sync_writable_layers: bool,
     /// The cgroup driver hako tells kubelet to use (the `RuntimeConfig` RPC).
     pub cgroup_driver: CgroupDriver,
     /// Runtime handler names (a RuntimeClass's `handler`) served as the default one; a pod

@@ -92,7 +92,7 @@ impl Daemon {
             images.clone(),
             &config.state,
             &config.root,
-            config.runtime.restrict_oom_score_adj,
+            &config.runtime,
             network.clone(),
             cdi.clone(),
         );

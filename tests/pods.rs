@@ -2472,3 +2472,50 @@ async fn a_full_log_disk_is_logged_once_per_run_of_failures() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// A container's writable layer is mounted `volatile` unless `runtime.sync_writable_layers`
+/// asks otherwise: removing a container then does not sync the whole filesystem under the
+/// root (the kernel syncs it at a plain overlay's unmount), and its writes still land in its
+/// layer. With the option the overlay is an ordinary one, as containerd mounts it.
+#[tokio::test(flavor = "multi_thread")]
+async fn writable_layers_are_volatile_unless_configured_otherwise() {
+    for (config, volatile) in [
+        ("", true),
+        ("[runtime]\nsync_writable_layers = true\n", false),
+    ] {
+        let Some((_reg, h)) = ready_with_config(config).await else {
+            return;
+        };
+        let mut rt = h.runtime().await;
+        let logs = tempfile::tempdir().unwrap();
+        let cfg = pod_config("volatile", logs.path());
+        let pod = run_pod(&mut rt, &cfg).await;
+        let c = run_container(
+            &mut rt,
+            &pod,
+            &cfg,
+            container_config("c", &["sleep", "300"]),
+        )
+        .await;
+        // A container's own sync works either way (on a volatile overlay it does nothing).
+        assert_eq!(
+            exec(&mut rt, &c, "echo kept > /f && sync && cat /f").await,
+            "kept"
+        );
+        let rootfs = h.state.join("containers").join(&c).join("rootfs");
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let line = mountinfo
+            .lines()
+            .find(|l| l.split(' ').nth(4) == Some(rootfs.to_str().unwrap()))
+            .unwrap_or_else(|| panic!("{} not mounted:\n{mountinfo}", rootfs.display()));
+        let options = line.split(" - ").nth(1).unwrap().split(' ').nth(2).unwrap();
+        let is_volatile = options
+            .split(',')
+            .any(|o| o == "volatile" || o == "fsync=volatile");
+        assert_eq!(is_volatile, volatile, "config {config:?}: {line}");
+        let upper = h.root.join("containers").join(&c).join("upper/f");
+        assert_eq!(std::fs::read_to_string(&upper).unwrap(), "kept\n");
+        remove_pod(&mut rt, &pod).await;
+        assert_no_leaks(&h, &pod);
+    }
+}

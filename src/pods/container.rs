@@ -133,7 +133,13 @@ impl Runtime {
         let target_pid = target.as_ref().map(|(_, pid)| *pid);
         let root = bundle.join("rootfs");
         let t_prepared = t0.elapsed();
-        rootfs::mount_overlay(&lowers, &layer.join("upper"), &layer.join("work"), &root)?;
+        rootfs::mount_overlay(
+            &lowers,
+            &layer.join("upper"),
+            &layer.join("work"),
+            &root,
+            &self.volatile_layers,
+        )?;
         let t_mounted = t0.elapsed();
         // Reads the image's account files, devices and profiles: bounded, but still file I/O,
         // so off the async workers. All of it before the spec, which is a pure function.

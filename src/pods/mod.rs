@@ -194,6 +194,9 @@ pub struct Runtime {
     cap_limit: Vec<String>,
     /// The lowest oom_score_adj a container may get, when restricted (the daemon's own).
     oom_floor: Option<i32>,
+    /// Containers' writable layers are mounted `volatile` (see `rootfs::mount_overlay`):
+    /// configured, and cleared by a kernel that refuses the option.
+    volatile_layers: std::sync::atomic::AtomicBool,
     /// Last CPU reading per container and pod, for usage rates (pruned at each stats list).
     cpu_samples: stats::CpuSamples,
     /// New pods keep the kernel's cgroup-migration lock warm until their first container is
@@ -238,14 +241,15 @@ impl Runtime {
         images: Images,
         state_dir: &Path,
         root_dir: &Path,
-        restrict_oom_score_adj: bool,
+        config: &crate::config::RuntimeConfig,
         network: Arc<Network>,
         cdi: Arc<hako_runtime::cdi::Registry>,
     ) -> Runtime {
         let cap_limit = hako_runtime::spec::own_bounding_set();
         let (live, lost) = live::Live::new();
         Runtime {
-            oom_floor: host::oom_floor(restrict_oom_score_adj, &cap_limit),
+            oom_floor: host::oom_floor(config.restrict_oom_score_adj, &cap_limit),
+            volatile_layers: std::sync::atomic::AtomicBool::new(!config.sync_writable_layers),
             store,
             images,
             state_dir: state_dir.to_path_buf(),

@@ -2,6 +2,7 @@
 //! directory of the container's own, and user/group lookup inside it.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
@@ -27,8 +28,19 @@ pub fn create_dirs(path: &Path, mode: u32) -> Result<()> {
     Ok(())
 }
 
-/// Mounts `lowers` (topmost first) under `upper`/`work` at `target`.
-pub fn mount_overlay(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Path) -> Result<()> {
+/// Mounts `lowers` (topmost first) under `upper`/`work` at `target`, with overlayfs'
+/// `volatile` option while `volatile` holds: without it the kernel syncs the whole filesystem
+/// beneath the upper dir when the overlay is unmounted (every other writer's dirty data too,
+/// an image pull's say) and honours the container's fsyncs, for a layer nothing reads after a
+/// crash (a container is never started again; kubelet makes a new one). A kernel without the
+/// option (before Linux 5.10) refuses it: the mount is made without, and `volatile` cleared.
+pub fn mount_overlay(
+    lowers: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+    volatile: &AtomicBool,
+) -> Result<()> {
     for d in [work, target] {
         std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
     }
@@ -50,14 +62,40 @@ pub fn mount_overlay(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Pat
         upper.display(),
         work.display()
     );
-    overlay(
-        target,
-        &data,
-        MsFlags::empty(),
-        lowers.len(),
-        "mount overlay at",
-    )
+    overlay_with(target, &data, "volatile", volatile, lowers.len())
 }
+
+/// An overlay mount of `data` at `target` with `option` added while `wanted` holds; when the
+/// kernel refuses the option, the mount without it and `wanted` cleared.
+fn overlay_with(
+    target: &Path,
+    data: &str,
+    option: &str,
+    wanted: &AtomicBool,
+    layers: usize,
+) -> Result<()> {
+    let op = "mount overlay at";
+    let with = format!("{data},{option}");
+    // Options at the page's edge: the mount without the option rather than none.
+    if wanted.load(Ordering::Relaxed) && with.len() < OPTIONS_MAX {
+        match overlay(target, &with, MsFlags::empty(), layers, op) {
+            Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {
+                // The option is unknown, or the mount is bad anyway: only a mount that then
+                // works without it says which.
+                overlay(target, data, MsFlags::empty(), layers, op)?;
+                if wanted.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(option, "this kernel's overlayfs refuses the option (volatile came in Linux 5.10): containers' writable layers go without it, and are synced when unmounted");
+                }
+                return Ok(());
+            }
+            other => return other,
+        }
+    }
+    overlay(target, data, MsFlags::empty(), layers, op)
+}
+
+/// The most bytes of mount options the kernel reads (a page, with its terminating NUL).
+const OPTIONS_MAX: usize = 4096;
 
 /// Mounts an overlay with options `data` at `target`; `layers` names the count in the error
 /// when the options do not fit the page the kernel reads them from.
@@ -68,7 +106,7 @@ fn overlay(
     layers: usize,
     op: &'static str,
 ) -> Result<()> {
-    if data.len() >= 4096 {
+    if data.len() >= OPTIONS_MAX {
         return Err(Error::FailedPrecondition(format!(
             "overlay options for {} exceed a page ({layers} layers)",
             target.display(),
@@ -427,8 +465,21 @@ mod tests {
             d.path().join("c/work"),
             d.path().join("c/rootfs"),
         );
-        mount_overlay(&[low1.clone(), low2.clone()], &upper, &work, &target).unwrap();
+        let volatile = AtomicBool::new(true);
+        mount_overlay(
+            &[low1.clone(), low2.clone()],
+            &upper,
+            &work,
+            &target,
+            &volatile,
+        )
+        .unwrap();
         let guard = Unmount(target.clone());
+        assert!(is_volatile(&target), "{:?}", super_options(&target));
+        assert!(
+            volatile.load(Ordering::Relaxed),
+            "this kernel has the option"
+        );
         assert_eq!(std::fs::read_to_string(target.join("f")).unwrap(), "top");
         assert!(target.join("only-bottom").exists());
         std::fs::write(target.join("new"), "w").unwrap();
@@ -440,6 +491,83 @@ mod tests {
         // Not mounted, or not there at all: fine.
         unmount(&target).unwrap();
         unmount(&d.path().join("missing")).unwrap();
+    }
+
+    /// The super block options of the mount at `target` (the field after the fs type and
+    /// source in /proc/self/mountinfo).
+    fn super_options(target: &Path) -> Vec<String> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let line = mountinfo
+            .lines()
+            .find(|l| l.split(' ').nth(4) == Some(target.to_str().unwrap()))
+            .unwrap_or_else(|| panic!("{} not mounted", target.display()));
+        let after = line.split(" - ").nth(1).unwrap();
+        let opts = after.split(' ').nth(2).unwrap();
+        opts.split(',').map(str::to_string).collect()
+    }
+
+    /// Whether the overlay at `target` is volatile: the option as given, or as newer kernels
+    /// show it (`fsync=volatile`).
+    fn is_volatile(target: &Path) -> bool {
+        super_options(target)
+            .iter()
+            .any(|o| o == "volatile" || o == "fsync=volatile")
+    }
+
+    /// An option the kernel refuses is dropped (and stays dropped); a mount that is bad
+    /// without it too is an error, and the option is still wanted.
+    #[test]
+    fn an_overlay_option_the_kernel_refuses_is_dropped_once_and_for_all() {
+        let d = tempfile::tempdir().unwrap();
+        let low = d.path().join("low");
+        std::fs::create_dir(&low).unwrap();
+        std::fs::write(low.join("f"), "x").unwrap();
+        // A bad mount: the work dir inside the upper one, which overlayfs refuses with EINVAL
+        // as it does an unknown option.
+        let mount_at = |name: &str, bad: bool, wanted: &AtomicBool| {
+            let upper = d.path().join(format!("{name}/upper"));
+            let (work, target) = (
+                if bad {
+                    upper.join("work")
+                } else {
+                    d.path().join(format!("{name}/work"))
+                },
+                d.path().join(format!("{name}/rootfs")),
+            );
+            for p in [&upper, &work, &target] {
+                std::fs::create_dir_all(p).unwrap();
+            }
+            let data = format!(
+                "lowerdir={},upperdir={},workdir={}",
+                low.display(),
+                upper.display(),
+                work.display()
+            );
+            let r = overlay_with(&target, &data, "hako_no_such_option", wanted, 1);
+            (r, target)
+        };
+        let wanted = AtomicBool::new(true);
+        let (r, bad) = mount_at("bad", true, &wanted);
+        match r {
+            Err(Error::Io { source, path, .. }) => {
+                assert_eq!(source.raw_os_error(), Some(libc::EINVAL), "{source}");
+                assert_eq!(path, bad);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            wanted.load(Ordering::Relaxed),
+            "a bad mount says nothing of the option"
+        );
+        let (r, good) = mount_at("good", false, &wanted);
+        r.unwrap();
+        let _guard = Unmount(good.clone());
+        assert_eq!(std::fs::read_to_string(good.join("f")).unwrap(), "x");
+        assert!(!super_options(&good).contains(&"hako_no_such_option".to_string()));
+        assert!(
+            !wanted.load(Ordering::Relaxed),
+            "refused once, not asked for again"
+        );
     }
 
     #[test]
@@ -495,12 +623,13 @@ mod tests {
     fn overlay_refuses_no_layers_and_options_over_a_page() {
         let d = tempfile::tempdir().unwrap();
         let (upper, work, target) = (d.path().join("u"), d.path().join("w"), d.path().join("t"));
-        let e = mount_overlay(&[], &upper, &work, &target).unwrap_err();
+        let volatile = AtomicBool::new(true);
+        let e = mount_overlay(&[], &upper, &work, &target, &volatile).unwrap_err();
         assert!(e.to_string().contains("no layers"), "{e}");
         let many: Vec<PathBuf> = (0..200)
             .map(|i| d.path().join(format!("layer-with-a-long-name-{i:04}")))
             .collect();
-        let e = mount_overlay(&many, &upper, &work, &target).unwrap_err();
+        let e = mount_overlay(&many, &upper, &work, &target, &volatile).unwrap_err();
         assert!(
             matches!(e, Error::FailedPrecondition(_)) && e.to_string().contains("200 layers"),
             "{e}"
