@@ -20,7 +20,9 @@
 //! `cargo bench --bench pods` (as root; needs docker-registry, containerd, runc, Go).
 //! `HAKO_BENCH_HAKO_ONLY=1` leaves containerd out; `HAKO_BENCH_DENSITY=100` picks the idle pod
 //! counts; `HAKO_BENCH_PODS`, `HAKO_BENCH_ROUNDS`, `HAKO_BENCH_LISTS` size the rest;
-//! `HAKO_BENCH_NO_METRICS=1` lists no metrics; `HAKO_BENCH_MARKS=1` prints the 10-in-flight
+//! `HAKO_BENCH_WRITER_MIB` (default 256, 0 for none) sizes the unsynced data another writer
+//! leaves beside a container's stop and removal (`HAKO_BENCH_ROUNDS` rounds, after the
+//! lifecycle); `HAKO_BENCH_NO_METRICS=1` lists no metrics; `HAKO_BENCH_MARKS=1` prints the 10-in-flight
 //! phases' bounds for perf; `HAKO_BENCH_STATE_ON_DISK=1` keeps state dirs off tmpfs.
 
 mod common;
@@ -476,6 +478,58 @@ async fn create_start(
     Ok(id)
 }
 
+/// StopContainer (timeout 0) and RemoveContainer of a running container while `mib` MiB that
+/// another writer left unsynced wait on the filesystem under the runtime's root (an image
+/// pull's layers, another container's writes): ms for the two calls. A plain overlay's unmount
+/// syncs that whole filesystem; the data is synced away, untimed, before the next round.
+async fn removal_beside_a_writer(r: &Runtime, round: usize, mib: usize) -> f64 {
+    use std::io::Write;
+    let mut c = client(&r.socket).await;
+    let cfg = pod_config(&format!("writer-{round}"));
+    let pod = run_pod(&mut c, &cfg)
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", r.name));
+    let id = create_start(&mut c, &pod, &cfg, container_config())
+        .await
+        .unwrap_or_else(|e| panic!("{}: {e}", r.name));
+    nix::unistd::sync();
+    let file = r.root.join("bench-writer");
+    let mut f = std::fs::File::create(&file).unwrap();
+    let block = vec![0x5a_u8; 1 << 20];
+    for _ in 0..mib {
+        f.write_all(&block).unwrap();
+    }
+    drop(f);
+    let t = Instant::now();
+    c.runtime
+        .stop_container(cri::StopContainerRequest {
+            container_id: id.clone(),
+            timeout: 0,
+        })
+        .await
+        .unwrap();
+    c.runtime
+        .remove_container(cri::RemoveContainerRequest { container_id: id })
+        .await
+        .unwrap();
+    let took = t.elapsed().as_secs_f64() * 1e3;
+    c.runtime
+        .stop_pod_sandbox(cri::StopPodSandboxRequest {
+            pod_sandbox_id: pod.clone(),
+        })
+        .await
+        .unwrap();
+    c.runtime
+        .remove_pod_sandbox(cri::RemovePodSandboxRequest {
+            pod_sandbox_id: pod,
+        })
+        .await
+        .unwrap();
+    std::fs::remove_file(&file).unwrap();
+    nix::unistd::sync();
+    took
+}
+
 /// CreateContainer+StartContainer of a `ctr` into each of `pods`, all in flight at once: each
 /// call's time (ms).
 async fn timed_create_starts<'a>(
@@ -808,6 +862,19 @@ fn main() {
             }
         }
         table(&format!("Pod and container lifecycle, host network, one call at a time, {n} rounds per runtime, alternating (ms):"), &runtimes, &results, &STEPS);
+
+        // HAKO_BENCH_WRITER_MIB: the unsynced data beside the removals (0: not measured).
+        let writer_mib = env("HAKO_BENCH_WRITER_MIB", 256);
+        if writer_mib > 0 {
+            let mut removals: Vec<BTreeMap<&'static str, Vec<f64>>> = vec![BTreeMap::new(); runtimes.len()];
+            for round in 0..rounds {
+                for (i, r) in runtimes.iter().enumerate() {
+                    let ms = removal_beside_a_writer(r, round, writer_mib).await;
+                    removals[i].entry("StopContainer+RemoveContainer").or_default().push(ms);
+                }
+            }
+            table(&format!("A container's removal while {writer_mib} MiB another writer left unsynced wait on the filesystem of the runtime's root, host network, {rounds} rounds (ms):"), &runtimes, &removals, &["StopContainer+RemoveContainer"]);
+        }
 
         // Pods on the bridge network: RunPodSandbox now includes CNI ADD (and Stop, DEL).
         let mut net_times: Vec<BTreeMap<&'static str, Vec<f64>>> = vec![BTreeMap::new(); runtimes.len()];
