@@ -32,8 +32,9 @@ pub fn create_dirs(path: &Path, mode: u32) -> Result<()> {
 /// `volatile` option while `volatile` holds: without it the kernel syncs the whole filesystem
 /// beneath the upper dir when the overlay is unmounted (every other writer's dirty data too,
 /// an image pull's say) and honours the container's fsyncs, for a layer nothing reads after a
-/// crash (a container is never started again; kubelet makes a new one). A kernel without the
-/// option (before Linux 5.10) refuses it: the mount is made without, and `volatile` cleared.
+/// crash (a container is never started again; kubelet makes a new one). Mounted once: a
+/// volatile work dir is refused a second mount. A kernel without the option (before Linux
+/// 5.10) refuses it: the mount is made without, and `volatile` cleared.
 pub fn mount_overlay(
     lowers: &[PathBuf],
     upper: &Path,
@@ -75,23 +76,43 @@ fn overlay_with(
     layers: usize,
 ) -> Result<()> {
     let op = "mount overlay at";
-    let with = format!("{data},{option}");
-    // Options at the page's edge: the mount without the option rather than none.
-    if wanted.load(Ordering::Relaxed) && with.len() < OPTIONS_MAX {
-        match overlay(target, &with, MsFlags::empty(), layers, op) {
-            Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {
-                // The option is unknown, or the mount is bad anyway: only a mount that then
-                // works without it says which.
-                overlay(target, data, MsFlags::empty(), layers, op)?;
-                if wanted.swap(false, Ordering::Relaxed) {
-                    tracing::warn!(option, "this kernel's overlayfs refuses the option (volatile came in Linux 5.10): containers' writable layers go without it, and are synced when unmounted");
-                }
-                return Ok(());
-            }
-            other => return other,
-        }
+    let plain = || overlay(target, data, MsFlags::empty(), layers, op);
+    if !wanted.load(Ordering::Relaxed) {
+        return plain();
     }
-    overlay(target, data, MsFlags::empty(), layers, op)
+    let with = format!("{data},{option}");
+    if with.len() >= OPTIONS_MAX {
+        tracing::debug!(target = %target.display(), option, "overlay options at a page's edge: mounted without the option");
+        return plain();
+    }
+    let first = match overlay(target, &with, MsFlags::empty(), layers, op) {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
+    let errno = match &first {
+        Error::Io { source, .. } => source.raw_os_error(),
+        _ => None,
+    };
+    match errno {
+        // The option is unknown, or the mount is bad anyway: only a mount that then works
+        // without it says which. When that fails too, the first error stands.
+        Some(libc::EINVAL) => {
+            plain().map_err(|_| first)?;
+            if wanted.swap(false, Ordering::Relaxed) {
+                tracing::warn!(option, "this kernel's overlayfs refuses the option (volatile came in Linux 5.10): containers' writable layers go without it, and are synced when unmounted");
+            }
+            Ok(())
+        }
+        // A volatile overlay refuses an upper filesystem holding a writeback error that no
+        // sync has reported yet (any file's on it); a plain one mounts. This container goes
+        // without the option; the next tries again (a sync of that filesystem clears it).
+        Some(libc::EIO) => {
+            plain().map_err(|_| first)?;
+            tracing::warn!(target = %target.display(), "the filesystem under containers' writable layers lost data in a writeback no sync has reported yet: this container's layer is mounted without volatile");
+            Ok(())
+        }
+        _ => Err(first),
+    }
 }
 
 /// The most bytes of mount options the kernel reads (a page, with its terminating NUL).
@@ -568,6 +589,111 @@ mod tests {
             !wanted.load(Ordering::Relaxed),
             "refused once, not asked for again"
         );
+    }
+
+    /// A writeback error on the upper filesystem that no sync has reported makes overlayfs
+    /// refuse a volatile mount (EIO) though not a plain one: the container gets the plain
+    /// mount and the option stays wanted; once a sync has reported the error, the next mount
+    /// is volatile again. The disk: ext4 in a sparse file on a 16 MiB tmpfs that a 48 MiB file
+    /// overflows; the tmpfs then grows, so that only the error already recorded remains.
+    #[test]
+    fn an_unreported_writeback_error_gets_a_plain_mount_and_keeps_the_option() {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        let why = if !nix::unistd::Uid::effective().is_root() {
+            Some("needs root")
+        } else if std::process::Command::new("mkfs.ext4")
+            .arg("-V")
+            .output()
+            .is_err()
+        {
+            Some("needs mkfs.ext4")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            eprintln!("SKIPPED an_unreported_writeback_error_gets_a_plain_mount_and_keeps_the_option: {why}");
+            return;
+        }
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new(args[0])
+                .args(&args[1..])
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{args:?}: {out:?}");
+        };
+        let d = tempfile::tempdir().unwrap();
+        let (backing, fs, low) = (
+            d.path().join("disk"),
+            d.path().join("fs"),
+            d.path().join("low"),
+        );
+        for p in [&backing, &fs, &low] {
+            std::fs::create_dir(p).unwrap();
+        }
+        std::fs::write(low.join("f"), "x").unwrap();
+        run(&[
+            "mount",
+            "-t",
+            "tmpfs",
+            "-o",
+            "size=16m",
+            "tmpfs",
+            backing.to_str().unwrap(),
+        ]);
+        let _backing = Unmount(backing.clone());
+        let img = backing.join("ext4.img");
+        let img = img.to_str().unwrap();
+        run(&["truncate", "-s", "512M", img]);
+        run(&[
+            "mkfs.ext4",
+            "-q",
+            "-F",
+            "-O",
+            "^has_journal",
+            "-N",
+            "8192",
+            "-E",
+            "lazy_itable_init=0,nodiscard",
+            img,
+        ]);
+        run(&[
+            "mount",
+            "-o",
+            "loop,errors=continue",
+            img,
+            fs.to_str().unwrap(),
+        ]);
+        let _fs = Unmount(fs.clone());
+        let mut big = std::fs::File::create(fs.join("big")).unwrap();
+        let block = vec![0x5a_u8; 1 << 20];
+        for _ in 0..48 {
+            big.write_all(&block).unwrap();
+        }
+        // The file's own fsync reports the loss to the file, not to the filesystem's syncs.
+        assert!(
+            big.sync_all().is_err(),
+            "the writes never failed: the disk did not overflow"
+        );
+        run(&["mount", "-o", "remount,size=1g", backing.to_str().unwrap()]);
+        let mount = |name: &str, wanted: &AtomicBool| {
+            let target = d.path().join(format!("{name}-rootfs"));
+            let (upper, work) = (fs.join(name).join("upper"), fs.join(name).join("work"));
+            mount_overlay(std::slice::from_ref(&low), &upper, &work, &target, wanted).unwrap();
+            (Unmount(target.clone()), target)
+        };
+        let wanted = AtomicBool::new(true);
+        let (_a, a) = mount("a", &wanted);
+        assert_eq!(std::fs::read_to_string(a.join("f")).unwrap(), "x");
+        assert!(!is_volatile(&a), "{:?}", super_options(&a));
+        assert!(wanted.load(Ordering::Relaxed), "the kernel has the option");
+        let dir = std::fs::File::open(&fs).unwrap();
+        assert!(
+            nix::unistd::syncfs(dir.as_raw_fd()).is_err(),
+            "the sync reports the loss"
+        );
+        let (_b, b) = mount("b", &wanted);
+        assert!(is_volatile(&b), "{:?}", super_options(&b));
     }
 
     #[test]
