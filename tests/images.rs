@@ -1235,38 +1235,7 @@ async fn disk_loses_a_layer(wait_for_sync: bool) {
         let (backing, root) = (dir.join("disk"), dir.join("root"));
         std::fs::create_dir_all(&backing).unwrap();
         std::fs::create_dir_all(&root).unwrap();
-        let run = |args: &[&str]| {
-            let out = std::process::Command::new(args[0])
-                .args(&args[1..])
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{args:?}: {out:?}");
-        };
-        let b = backing.to_str().unwrap();
-        let file = format!("{b}/ext4.img");
-        run(&["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", b]);
-        run(&["truncate", "-s", "512M", &file]);
-        // No journal: only the writes that failed are lost, not every later commit. Inode
-        // tables written now, not by a lazy-init thread filling the tmpfs later.
-        run(&[
-            "mkfs.ext4",
-            "-q",
-            "-F",
-            "-O",
-            "^has_journal",
-            "-N",
-            "8192",
-            "-E",
-            "lazy_itable_init=0,nodiscard",
-            &file,
-        ]);
-        run(&[
-            "mount",
-            "-o",
-            "loop,errors=continue",
-            &file,
-            root.to_str().unwrap(),
-        ]);
+        support::disk::mount_small_ext4(&backing, &root);
     });
     let backing = h.dir.path().join("disk");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1277,12 +1246,7 @@ async fn disk_loses_a_layer(wait_for_sync: bool) {
             let fs = std::fs::File::open(&root).unwrap();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 if let Err(e) = nix::unistd::syncfs(fs.as_raw_fd()) {
-                    let grown = std::process::Command::new("mount")
-                        .args(["-o", "remount,size=1g"])
-                        .arg(&backing)
-                        .status()
-                        .unwrap();
-                    assert!(grown.success());
+                    support::disk::grow(&backing);
                     return Some(e);
                 }
                 std::thread::sleep(Duration::from_millis(10));

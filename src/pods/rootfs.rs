@@ -274,6 +274,11 @@ pub fn resolve_user(root: &Path, user: &str, group: Option<&str>) -> Result<(u32
     Ok((uid, gid, extra))
 }
 
+/// The e2e tests' disk that loses writes.
+#[cfg(test)]
+#[path = "../../tests/support/disk.rs"]
+mod disk;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -514,14 +519,20 @@ mod tests {
         unmount(&d.path().join("missing")).unwrap();
     }
 
-    /// The super block options of the mount at `target` (the field after the fs type and
-    /// source in /proc/self/mountinfo).
-    fn super_options(target: &Path) -> Vec<String> {
+    /// The /proc/self/mountinfo line of the mount at `target`.
+    fn mountinfo_line(target: &Path) -> String {
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-        let line = mountinfo
+        mountinfo
             .lines()
             .find(|l| l.split(' ').nth(4) == Some(target.to_str().unwrap()))
-            .unwrap_or_else(|| panic!("{} not mounted", target.display()));
+            .unwrap_or_else(|| panic!("{} not mounted", target.display()))
+            .to_string()
+    }
+
+    /// The super block options of the mount at `target` (the field after the fs type and
+    /// source in its mountinfo line).
+    fn super_options(target: &Path) -> Vec<String> {
+        let line = mountinfo_line(target);
         let after = line.split(" - ").nth(1).unwrap();
         let opts = after.split(' ').nth(2).unwrap();
         opts.split(',').map(str::to_string).collect()
@@ -615,13 +626,6 @@ mod tests {
             eprintln!("SKIPPED an_unreported_writeback_error_gets_a_plain_mount_and_keeps_the_option: {why}");
             return;
         }
-        let run = |args: &[&str]| {
-            let out = std::process::Command::new(args[0])
-                .args(&args[1..])
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{args:?}: {out:?}");
-        };
         let d = tempfile::tempdir().unwrap();
         let (backing, fs, low) = (
             d.path().join("disk"),
@@ -632,38 +636,9 @@ mod tests {
             std::fs::create_dir(p).unwrap();
         }
         std::fs::write(low.join("f"), "x").unwrap();
-        run(&[
-            "mount",
-            "-t",
-            "tmpfs",
-            "-o",
-            "size=16m",
-            "tmpfs",
-            backing.to_str().unwrap(),
-        ]);
+        // Unmounted in reverse: the ext4, then its tmpfs.
         let _backing = Unmount(backing.clone());
-        let img = backing.join("ext4.img");
-        let img = img.to_str().unwrap();
-        run(&["truncate", "-s", "512M", img]);
-        run(&[
-            "mkfs.ext4",
-            "-q",
-            "-F",
-            "-O",
-            "^has_journal",
-            "-N",
-            "8192",
-            "-E",
-            "lazy_itable_init=0,nodiscard",
-            img,
-        ]);
-        run(&[
-            "mount",
-            "-o",
-            "loop,errors=continue",
-            img,
-            fs.to_str().unwrap(),
-        ]);
+        disk::mount_small_ext4(&backing, &fs);
         let _fs = Unmount(fs.clone());
         let mut big = std::fs::File::create(fs.join("big")).unwrap();
         let block = vec![0x5a_u8; 1 << 20];
@@ -675,7 +650,7 @@ mod tests {
             big.sync_all().is_err(),
             "the writes never failed: the disk did not overflow"
         );
-        run(&["mount", "-o", "remount,size=1g", backing.to_str().unwrap()]);
+        disk::grow(&backing);
         let mount = |name: &str, wanted: &AtomicBool| {
             let target = d.path().join(format!("{name}-rootfs"));
             let (upper, work) = (fs.join(name).join("upper"), fs.join(name).join("work"));
@@ -717,16 +692,12 @@ mod tests {
         std::fs::create_dir(&below).unwrap();
         std::fs::write(below.join("f"), "covered").unwrap();
         mount_image_volume(&[layer.clone(), below], &vols.join(".empty"), &targets[1]).unwrap();
-        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         for t in &targets {
             assert_eq!(std::fs::read_to_string(t.join("f")).unwrap(), "data");
             let e = std::fs::write(t.join("new"), "w").unwrap_err();
             assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{}", t.display());
             // The mount's own flags: read-only, no set-id programs, no device nodes.
-            let line = mountinfo
-                .lines()
-                .find(|l| l.split(' ').nth(4) == Some(t.to_str().unwrap()))
-                .unwrap();
+            let line = mountinfo_line(t);
             let flags: Vec<&str> = line.split(' ').nth(5).unwrap().split(',').collect();
             for want in ["ro", "nosuid", "nodev"] {
                 assert!(flags.contains(&want), "{want} missing: {line}");

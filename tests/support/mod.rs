@@ -3,6 +3,7 @@
 
 pub mod cni;
 pub mod cri;
+pub mod disk;
 pub mod hako;
 pub mod oci;
 pub mod proxy;
