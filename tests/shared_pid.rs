@@ -601,3 +601,76 @@ async fn a_pods_init_dies_with_its_monitor() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// The pod's PID 1 (hako's infra process, where containerd and CRI-O have a pause container)
+/// is every container's /proc/1. A container reads its mount table without any privilege, and
+/// one granted CAP_SYS_PTRACE reaches its root, cwd and memory: it must hold nothing of the
+/// host. Forked from the monitor unconfined, it was root with every capability in the host's
+/// mount namespace, so the container read the node's mount table and its root filesystem.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pods_pid_1_gives_a_container_nothing_of_the_host() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = shared_pid_pod("pid1-confined", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut tracer = container_config("tracer", &["sleep", "3600"]);
+    tracer.linux = Some(cri::LinuxContainerConfig {
+        security_context: Some(cri::LinuxContainerSecurityContext {
+            capabilities: Some(cri::Capability {
+                add_capabilities: vec!["SYS_PTRACE".into()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let tracer = run_container(&mut rt, &pod, &cfg, tracer).await;
+
+    let status = exec(
+        &mut rt,
+        &tracer,
+        "grep -E '^(Uid|Gid|CapPrm|CapEff|CapBnd|NoNewPrivs):' /proc/1/status",
+    )
+    .await;
+    let field = |name: &str| -> Vec<String> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}:")))
+            .unwrap_or_else(|| panic!("no {name} in {status}"))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect()
+    };
+    assert_eq!(field("Uid"), ["65535"; 4], "{status}");
+    assert_eq!(field("Gid"), ["65535"; 4], "{status}");
+    for caps in ["CapPrm", "CapEff", "CapBnd"] {
+        assert_eq!(field(caps), ["0000000000000000"], "{status}");
+    }
+    assert_eq!(field("NoNewPrivs"), ["1"], "{status}");
+
+    // Its mount table: one empty tmpfs, nothing of the node's.
+    let mounts = exec(&mut rt, &tracer, "cat /proc/1/mountinfo").await;
+    let lines: Vec<&str> = mounts.lines().collect();
+    assert_eq!(lines.len(), 1, "{mounts}");
+    let fields: Vec<&str> = lines[0].split_whitespace().collect();
+    assert_eq!(fields[4], "/", "{mounts}");
+    assert!(lines[0].contains(" - tmpfs "), "{mounts}");
+    assert!(!mounts.contains(&h.state.display().to_string()), "{mounts}");
+
+    // Not dumpable and no longer root: even CAP_SYS_PTRACE finds an empty root, if any.
+    let root = exec(
+        &mut rt,
+        &tracer,
+        "ls -A /proc/1/root/ 2>&1; readlink /proc/1/cwd 2>&1; true",
+    )
+    .await;
+    assert!(
+        !root.contains("etc") && !root.contains("usr"),
+        "the host's root through /proc/1/root: {root}"
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

@@ -132,24 +132,20 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
         };
         match child {
             0 => {
-                // SAFETY: prctl on this process only.
-                unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
-                // The monitor died between the clone and the prctl: no signal will come. (A
-                // pidfd polls readable once its process has exited.)
-                if monitor >= 0 {
-                    let mut p = libc::pollfd {
-                        fd: monitor,
-                        events: libc::POLLIN,
-                        revents: 0,
-                    };
-                    // SAFETY: one pollfd on a descriptor this process holds; no waiting.
-                    if unsafe { libc::poll(&mut p, 1, 0) } > 0 {
-                        // SAFETY: leave at once, as the signal would have made it.
-                        unsafe { libc::_exit(1) };
-                    }
-                    // SAFETY: the pidfd opened above; nothing else uses it.
-                    unsafe { libc::close(monitor) };
+                die_with_monitor(monitor);
+                if let Err(e) = confine() {
+                    let _ = writeln!(report, "Econfine the pod's PID 1: {}", e.chain());
+                    // SAFETY: leave at once; the monitor reaps this process.
+                    unsafe { libc::_exit(1) };
                 }
+                // The credential change cleared the parent-death signal: set it again.
+                die_with_monitor(monitor);
+                drop(report);
+                // Nothing the monitor holds (its listener, the pod's descriptors) stays
+                // reachable through this process, whose /proc entries the pod can read.
+                // SAFETY: this process owns no descriptor it uses after this point.
+                unsafe { libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) };
+                wait_forever()
             }
             c if c > 0 => {
                 let _ = writeln!(report, "P{c}");
@@ -165,6 +161,112 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
         let _ = writeln!(report, "P{}", std::process::id());
     }
     drop(report);
+    wait_forever()
+}
+
+/// Sets the parent-death signal and leaves at once if the monitor (the pidfd `monitor`) is
+/// already gone, when the signal can no longer come (a pidfd polls readable once its process
+/// has exited).
+fn die_with_monitor(monitor: libc::c_int) {
+    // SAFETY: prctl on this process only.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    if monitor >= 0 {
+        let mut p = libc::pollfd {
+            fd: monitor,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd on a descriptor this process holds; no waiting.
+        if unsafe { libc::poll(&mut p, 1, 0) } > 0 {
+            // SAFETY: leave at once, as the signal would have made it.
+            unsafe { libc::_exit(1) };
+        }
+    }
+}
+
+/// The uid and gid of the pod's PID 1, as of kubelet's pause container.
+const POD_INIT_ID: u32 = 65535;
+
+/// Confines the pod's PID 1, which lives as long as the pod and which every container of the
+/// pod sees: its `/proc/1/mountinfo` is readable by any of them, and its `root`, `cwd` and
+/// memory by one granted CAP_SYS_PTRACE. Left as forked from the monitor it would be root with
+/// every capability in the host's mount namespace, so those would hand a container the node's
+/// mount table and its root filesystem. Like a pause container it gets an empty read-only root
+/// of its own, uid and gid 65535 with no capability (bounding set included), no new
+/// privileges, and it is not dumpable.
+fn confine() -> Result<()> {
+    unshare(CloneFlags::CLONE_NEWNS).map_err(|e| Error::sys("unshare mount namespace", e))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(|e| Error::sys("make mounts private", e))?;
+    // Any directory every host has will do as the mount point: the host's tree goes below.
+    let root = "/proc";
+    mount(
+        Some("tmpfs"),
+        root,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("size=4k,nr_inodes=4,mode=0555"),
+    )
+    .map_err(|e| Error::sys("mount an empty root", e))?;
+    nix::unistd::chdir(root).map_err(|e| Error::sys("enter the empty root", e))?;
+    // pivot_root(".", "."): the old root ends up stacked on the new one, and goes.
+    nix::unistd::pivot_root(".", ".").map_err(|e| Error::sys("pivot_root", e))?;
+    nix::mount::umount2(".", nix::mount::MntFlags::MNT_DETACH)
+        .map_err(|e| Error::sys("detach the host's root", e))?;
+    nix::unistd::chdir("/").map_err(|e| Error::sys("chdir /", e))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REMOUNT
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV
+            | MsFlags::MS_NOEXEC,
+        None::<&str>,
+    )
+    .map_err(|e| Error::sys("make the root read-only", e))?;
+    // Every capability out of the bounding set while CAP_SETPCAP is still held; the kernel
+    // answers EINVAL past the last one it knows.
+    for cap in 0.. {
+        // SAFETY: prctl on this process only.
+        if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINVAL) && cap > 0 {
+                break;
+            }
+            return Err(Error::sys(format!("drop capability {cap}"), e));
+        }
+    }
+    let id = POD_INIT_ID;
+    nix::unistd::setgroups(&[]).map_err(|e| Error::sys("setgroups", e))?;
+    let gid = nix::unistd::Gid::from_raw(id);
+    nix::unistd::setresgid(gid, gid, gid).map_err(|e| Error::sys("setresgid", e))?;
+    let uid = nix::unistd::Uid::from_raw(id);
+    // From root to another uid without keep-caps: permitted and effective sets are cleared.
+    nix::unistd::setresuid(uid, uid, uid).map_err(|e| Error::sys("setresuid", e))?;
+    // SAFETY: prctl on this process only.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(Error::sys(
+            "no new privileges",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    // SAFETY: prctl on this process only.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) } != 0 {
+        return Err(Error::sys("not dumpable", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// The rest of an infra process's life: it reaps whatever the pod's PID namespace orphans.
+fn wait_forever() -> ! {
     // SAFETY: resetting the signal mask and handlers of a process that only waits.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -204,19 +306,28 @@ pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>)> {
     std::fs::File::from(r)
         .read_to_string(&mut msg)
         .map_err(|e| Error::sys("read infra report", e))?;
-    let msg = msg.trim();
-    let infra = if let Some(p) = msg.strip_prefix('P') {
-        Pid::from_raw(
-            p.parse()
-                .map_err(|_| Error::Helper(format!("infra report {msg:?}")))?,
-        )
-    } else {
-        let _ = waitpid(pid, None);
-        return Err(Error::Helper(
-            msg.strip_prefix('E')
-                .unwrap_or("infra process died")
-                .to_string(),
-        ));
+    // "P<pid>" from whoever made the pod's init, then "E<error>" if the init failed to
+    // confine itself (it has exited then), or "E<error>" alone.
+    let made = msg.lines().find_map(|l| l.strip_prefix('P'));
+    let failed = msg.lines().find_map(|l| l.strip_prefix('E'));
+    let infra = match (made.map(str::parse::<i32>), failed) {
+        (Some(Ok(p)), None) => Pid::from_raw(p),
+        (made, failed) => {
+            let _ = waitpid(pid, None);
+            if let Some(Ok(p)) = made {
+                if p != pid.as_raw() {
+                    // The pod's init, the monitor's child too (CLONE_PARENT).
+                    let _ =
+                        nix::sys::signal::kill(Pid::from_raw(p), nix::sys::signal::Signal::SIGKILL);
+                    let _ = waitpid(Pid::from_raw(p), None);
+                }
+            }
+            return Err(Error::Helper(match failed {
+                Some(e) => e.to_string(),
+                None if made.is_some() => format!("infra report {:?}", msg.trim()),
+                None => "infra process died".to_string(),
+            }));
+        }
     };
     if infra != pid {
         // The intermediate exits once pid 1 of the pod namespace exists.
