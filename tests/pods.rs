@@ -1845,6 +1845,54 @@ async fn a_killed_monitor_turns_its_pod_not_ready_in_the_list() {
     assert_no_leaks(&h, &pod);
 }
 
+/// StopPodSandbox of a pod whose monitor hangs (SIGSTOPped: its socket still accepts, nothing
+/// answers): the stop succeeds, and when it does the container's processes are gone, ended
+/// through their cgroup, so the Exited it reports is true (kubelet unmounts a stopped pod's
+/// volumes). Before, the container was recorded Exited 137 and left running.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_whose_monitor_hangs_is_stopped_through_its_cgroups() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    // PID namespaces of their own, as kubelet's default: nothing ends the container with its
+    // monitor (a pod's shared PID namespace ends with it).
+    let own = cri::NamespaceOption {
+        pid: cri::NamespaceMode::Container as i32,
+        ..Default::default()
+    };
+    let cfg = with_namespaces(pod_config("hung-stop", logs.path()), own.clone());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut c = container_config("c", &["sleep", "305"]);
+    c.linux = Some(cri::LinuxContainerConfig {
+        security_context: Some(cri::LinuxContainerSecurityContext {
+            namespace_options: Some(own),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let id = run_container(&mut rt, &pod, &cfg, c).await;
+    let monitor = monitor_pid(&mut rt, &pod).await;
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let resume = Resume(monitor);
+    rt.stop_pod_sandbox(cri::StopPodSandboxRequest {
+        pod_sandbox_id: pod.clone(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        processes_with_cmdline(&["sleep", "305"]),
+        0,
+        "the container still runs after its pod was stopped"
+    );
+    let st = status(&mut rt, &id).await;
+    assert_eq!(st.state, cri::ContainerState::ContainerExited as i32);
+    drop(resume);
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
 /// The daemon restarts having lost its store while one of several pods' monitors is stuck
 /// (SIGSTOPped): the start asks the monitors at once, so every other pod is adopted before
 /// the stuck one's deadline runs out (its "did not answer" comes last in the log, though its

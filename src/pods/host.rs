@@ -120,24 +120,52 @@ pub(super) fn monitor_alive(pid: u32) -> bool {
     })
 }
 
-/// SIGKILLs every process in a container's cgroup (v1 controllers or v2).
-pub(super) fn kill_cgroup(cgroups_path: &str) {
+/// The processes of a container's cgroup, from every hierarchy that may hold them (v1's
+/// pids and memory controllers, or v2).
+fn cgroup_pids(cgroups_path: &str) -> Vec<i32> {
     let rel = cgroups_path.trim_start_matches('/');
-    for base in [
+    if rel.is_empty() {
+        // The root cgroup is the whole node, never a container's.
+        return Vec::new();
+    }
+    [
         "/sys/fs/cgroup/pids",
         "/sys/fs/cgroup/memory",
         "/sys/fs/cgroup/unified",
         "/sys/fs/cgroup",
-    ] {
-        if let Ok(procs) = std::fs::read_to_string(Path::new(base).join(rel).join("cgroup.procs")) {
-            for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
+    ]
+    .iter()
+    .filter_map(|base| std::fs::read_to_string(Path::new(base).join(rel).join("cgroup.procs")).ok())
+    .flat_map(|procs| {
+        procs
+            .lines()
+            .filter_map(|l| l.trim().parse::<i32>().ok())
+            .collect::<Vec<_>>()
+    })
+    .collect()
+}
+
+/// SIGKILLs every process in a container's cgroup (v1 controllers or v2).
+pub(super) fn kill_cgroup(cgroups_path: &str) {
+    for pid in cgroup_pids(cgroups_path) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
+}
+
+/// SIGKILLs a container's cgroup until no process is left in it, for up to two seconds;
+/// whether it emptied (a process in uninterruptible sleep can outlast that).
+pub(super) async fn end_cgroup(cgroups_path: &str) -> bool {
+    for _ in 0..100 {
+        if cgroup_pids(cgroups_path).is_empty() {
+            return true;
+        }
+        kill_cgroup(cgroups_path);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    cgroup_pids(cgroups_path).is_empty()
 }
 
 /// Kills and removes the container cgroups (`hako-<id>`) left under a pod's cgroup by creates

@@ -12,7 +12,8 @@ use hako_proto::monitor as pb;
 use hako_runtime::monitor::{NamespaceSet, Options as MonitorOptions};
 
 use super::host::{
-    kill_pod_processes, monitor_gone, now_nanos, remove_cgroup, remove_leftover_container_cgroups,
+    end_cgroup, kill_pod_processes, monitor_gone, now_nanos, remove_cgroup,
+    remove_leftover_container_cgroups,
 };
 use super::monitor_client::{self, MonitorClient};
 use super::spec::{confined_cgroup_path, pod_cgroup};
@@ -291,11 +292,34 @@ impl Runtime {
                 }
             }
         }
-        // Record final states before the monitor (their source of truth) goes away.
-        if let Ok(info) = monitor.info().await {
-            for s in info.containers {
-                self.store
-                    .update(Table::Containers, &s.id, |c| apply_state(c, &s))?;
+        // Record final states before the monitor (their source of truth) goes away. (One that
+        // did not answer above is not waited for twice.)
+        let last = match answered {
+            true => monitor.info().await.map(Some),
+            false => Ok(None),
+        };
+        match last {
+            Ok(None) => {}
+            Ok(Some(info)) => {
+                for s in info.containers {
+                    self.store
+                        .update(Table::Containers, &s.id, |c| apply_state(c, &s))?;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(pod = %pod.id, error = %chain(&e), "monitor unreachable while stopping: containers are ended through their cgroups");
+            }
+        }
+        // What the monitor did not report exited (it died, hangs, or lost the container) is
+        // ended through its cgroup before it is recorded Exited: kubelet takes a stopped pod's
+        // containers for gone and unmounts their volumes. A container that cannot be emptied
+        // fails the stop (kubelet retries it) rather than be reported exited while it runs.
+        for c in self.containers_of(&pod.id)? {
+            if c.state != ContainerState::Exited && !end_cgroup(&c.cgroups_path).await {
+                return Err(Error::Internal(format!(
+                    "stop pod sandbox {}: container {} still has processes in cgroup {} after SIGKILL",
+                    pod.id, c.id, c.cgroups_path
+                )));
             }
         }
         for c in self.containers_of(&pod.id)? {
