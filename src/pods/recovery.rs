@@ -251,8 +251,10 @@ impl Runtime {
                 })?;
             let _ = rootfs::unmount_bundle(&self.bundle_dir(&c.id));
         }
-        // The pod's init died with its monitor (PR_SET_PDEATHSIG): only the pins are left.
-        hako_runtime::monitor::unpin_namespaces(&dir);
+        // The pod's init died with its monitor (PR_SET_PDEATHSIG): only the pins are left. The
+        // network one stays for CNI DEL at StopPodSandbox: plugins clean up inside the
+        // namespace (and some fail DEL without it), so it must not be gone before.
+        hako_runtime::monitor::unpin_all_but_network(&dir);
         self.mark_not_ready(&pod.id)
     }
 

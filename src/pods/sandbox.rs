@@ -267,13 +267,18 @@ impl Runtime {
     /// StopPodSandbox with the pod's lock held.
     async fn stop_locked(&self, pod: PodRecord) -> Result<()> {
         if pod.state == PodState::NotReady {
-            // Its monitor may have died before the network was torn down.
-            return self.detach(&pod).await;
+            // Its monitor may have died before the network was torn down; the network
+            // namespace's pin was kept for that DEL, and goes after it.
+            self.detach(&pod).await?;
+            hako_runtime::monitor::unpin_namespaces(&self.pod_dir(&pod.id));
+            return Ok(());
         }
         let t0 = std::time::Instant::now();
         let containers = self.containers_of(&pod.id)?;
         let monitor = self.monitor(&pod);
-        let states: HashMap<String, pb::ContainerState> = match monitor.info().await {
+        let first = monitor.info().await;
+        let answered = first.is_ok();
+        let states: HashMap<String, pb::ContainerState> = match first {
             Ok(info) => info
                 .containers
                 .into_iter()

@@ -421,7 +421,17 @@ static HELD: std::sync::OnceLock<Vec<std::fs::File>> = std::sync::OnceLock::new(
 /// Releases pinned namespaces (unmounts the bind mounts; `ipc` and `uts` too, which monitors
 /// of earlier builds pinned).
 pub fn unpin(dir: &Path) {
-    for file in ["net", "ipc", "uts", "pid"] {
+    unpin_files(dir, &["net", "ipc", "uts", "pid"]);
+}
+
+/// Releases the pinned namespaces but the network one, which CNI DEL is still to be run in
+/// (a pod whose monitor is lost keeps it until StopPodSandbox has run DEL).
+pub fn unpin_all_but_network(dir: &Path) {
+    unpin_files(dir, &["ipc", "uts", "pid"]);
+}
+
+fn unpin_files(dir: &Path, files: &[&str]) {
+    for file in files {
         let p = dir.join("ns").join(file);
         if p.exists() {
             if let Err(e) = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH) {

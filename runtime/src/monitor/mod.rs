@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::logs::LogWriter;
 
-pub use infra::{unpin as unpin_namespaces, NamespaceSet};
+pub use infra::{unpin as unpin_namespaces, unpin_all_but_network, NamespaceSet};
 
 /// How the daemon starts a monitor (as arguments of `hako monitor`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
