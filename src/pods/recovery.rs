@@ -293,11 +293,15 @@ impl Runtime {
         .buffered(START_CONCURRENCY)
         .collect()
         .await;
+        // Set when a monitor may hold a container no record names (it did not answer, or
+        // did not delete one): container files no record owns are then left for a later start.
+        let mut unsure = false;
         for (pod, info) in ready.into_iter().zip(infos) {
             let monitor = self.monitor(pod);
             let info = match info {
                 Ok(info) => info,
                 Err(e) => {
+                    unsure = true;
                     self.check_monitor(pod, &e)?;
                     continue;
                 }
@@ -317,7 +321,12 @@ impl Runtime {
                     }
                     None => {
                         tracing::warn!(pod = %pod.id, container = %c.id, "deleting a container whose create did not finish");
-                        monitor.delete(&c.id, true).await?;
+                        // A failure must not keep the node's runtime down: the container
+                        // stays in its monitor (and its files), and the next start tries again.
+                        if let Err(e) = monitor.delete(&c.id, true).await {
+                            tracing::error!(pod = %pod.id, container = %c.id, error = %chain(&e), "could not delete a container whose create did not finish: left in its pod monitor");
+                            unsure = true;
+                        }
                     }
                 }
             }
@@ -328,7 +337,7 @@ impl Runtime {
                 self.watch(&pod);
             }
         }
-        self.release_orphans(&pods, &containers).await?;
+        self.release_orphans(&pods, &containers, unsure).await?;
         self.network_gc().await;
         Ok(())
     }
@@ -365,13 +374,14 @@ impl Runtime {
     /// reservations and pins no record owns. A pod directory whose monitor still listens is
     /// not orphaned: one that kept no record is an unfinished start and is shut down; one that
     /// did not answer is left alone, and so are all record-less container files then (they may
-    /// be its containers').
+    /// be its containers'), as they are when `unsure` (a recorded pod's monitor did not
+    /// answer, or kept a record-less container).
     async fn release_orphans(
         &self,
         pods: &HashMap<String, Arc<PodRecord>>,
         containers: &HashSet<String>,
+        mut unsure: bool,
     ) -> Result<()> {
-        let mut unsure = false;
         for id in dir_names(&self.state_dir.join("pods")) {
             if pods.contains_key(&id) {
                 continue;
@@ -428,8 +438,10 @@ impl Runtime {
                 self.store.release(&name)?;
             }
         }
+        // Layers stay pinned for a container that may still be in a monitor (its overlay is
+        // mounted on them) until a start finds out.
         for owner in self.store.pin_owners()? {
-            if !containers.contains(&owner) {
+            if !containers.contains(&owner) && !unsure {
                 self.store.unpin(&owner)?;
             }
         }
