@@ -240,10 +240,10 @@ impl MonitorClient {
             .await
     }
 
-    pub async fn info(&self) -> Result<pb::InfoResponse> {
-        let req = pb::InfoRequest {
-            skip_records: false,
-        };
+    /// `info` without the kept records (which may be tens of MiB), within the call deadline:
+    /// the containers' states, for changes of the pod.
+    pub async fn states(&self) -> Result<pb::InfoResponse> {
+        let req = pb::InfoRequest { skip_records: true };
         self.call(Method::Info, &req, "pod monitor info").await
     }
 

@@ -276,7 +276,7 @@ impl Runtime {
         let t0 = std::time::Instant::now();
         let containers = self.containers_of(&pod.id)?;
         let monitor = self.monitor(&pod);
-        let first = monitor.info().await;
+        let first = monitor.states().await;
         let answered = first.is_ok();
         let states: HashMap<String, pb::ContainerState> = match first {
             Ok(info) => info
@@ -300,7 +300,7 @@ impl Runtime {
         // Record final states before the monitor (their source of truth) goes away. (One that
         // did not answer above is not waited for twice.)
         let last = match answered {
-            true => monitor.info().await.map(Some),
+            true => monitor.states().await.map(Some),
             false => Ok(None),
         };
         match last {

@@ -70,6 +70,23 @@ fn check_record_size(pod_id: &str, req: &pb::KeepRecordRequest) -> Result<(), St
     )))
 }
 
+/// A kept record must also fit beside the pod's others (`kept_others` bytes) within
+/// `wire::MAX_KEPT`, or the `Info` that returns them all would be refused by the daemon.
+fn check_kept_total(
+    pod_id: &str,
+    kept_others: usize,
+    req: &pb::KeepRecordRequest,
+) -> Result<(), Status> {
+    if kept_others + req.record.len() <= wire::MAX_KEPT {
+        return Ok(());
+    }
+    Err(Status::invalid_argument(format!(
+        "records of pod {pod_id} would take {} bytes, over the {} bytes a pod monitor keeps for a pod",
+        kept_others + req.record.len(),
+        wire::MAX_KEPT
+    )))
+}
+
 fn proto_state(id: &str, c: &Ctr) -> pb::ContainerState {
     let exit = c.exit.unwrap_or_default();
     pb::ContainerState {
@@ -577,6 +594,18 @@ impl Svc {
     async fn keep_record(&self, req: pb::KeepRecordRequest) -> Result<pb::Empty, Status> {
         let mut st = self.state.lock().expect("state");
         check_record_size(&st.opts.pod_id, &req)?;
+        // What the others take: every kept record but the one this replaces.
+        let kept_others = if req.container_id.is_empty() {
+            0
+        } else {
+            st.pod_record.len()
+        } + st
+            .containers
+            .iter()
+            .filter(|(id, _)| **id != req.container_id)
+            .map(|(_, c)| c.record.len())
+            .sum::<usize>();
+        check_kept_total(&st.opts.pod_id, kept_others, &req)?;
         if req.container_id.is_empty() {
             st.pod_record = req.record;
         } else {
@@ -1382,5 +1411,43 @@ mod tests {
             .unwrap();
         write.await.unwrap().unwrap();
         assert!(got.len() > wire::MAX_RECORD);
+    }
+
+    #[test]
+    fn a_pods_kept_records_fit_in_the_info_that_returns_them() {
+        let req = |len: usize| pb::KeepRecordRequest {
+            container_id: "c1".into(),
+            record: vec![b'x'; len],
+        };
+        assert!(check_kept_total("p1", wire::MAX_KEPT - 10, &req(10)).is_ok());
+        let e = check_kept_total("p1", wire::MAX_KEPT - 10, &req(11)).unwrap_err();
+        assert_eq!(e.code(), wire::code::INVALID_ARGUMENT);
+        assert!(
+            e.message().starts_with("records of pod p1 would take "),
+            "{e:?}"
+        );
+        // All the records allowed, in as many containers as they can be split into, with
+        // their states: the Info carrying them is within the frame the daemon reads.
+        let n = wire::MAX_KEPT / wire::MAX_RECORD + 1;
+        let each = wire::MAX_KEPT / n;
+        let info = pb::InfoResponse {
+            pod_id: "p".repeat(64),
+            pod_record: vec![b'x'; wire::MAX_KEPT - each * n],
+            containers: (0..n)
+                .map(|i| pb::ContainerState {
+                    id: format!("{i:064}"),
+                    ..Default::default()
+                })
+                .collect(),
+            container_records: (0..n)
+                .map(|i| (format!("{i:064}"), vec![b'x'; each]))
+                .collect(),
+            ..Default::default()
+        };
+        assert!(
+            info.encoded_len() <= wire::MAX_FRAME,
+            "{}",
+            info.encoded_len()
+        );
     }
 }

@@ -114,6 +114,9 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin>(
 /// The largest record the daemon may have a monitor keep (KeepRecord); a larger one is refused
 /// with INVALID_ARGUMENT.
 pub const MAX_RECORD: usize = 1 << 20;
+/// The most all of a pod's kept records may take together: an `Info` that carries them (adoption
+/// at start) must fit in a frame the daemon reads, beside the containers' states.
+pub const MAX_KEPT: usize = MAX_FRAME - (1 << 20);
 /// The largest call the monitor reads: calls carry ids, paths, an exec's argv and kept records,
 /// never output. Room for a KeepRecord of MAX_RECORD bytes beside its container id, so such a
 /// call gets its answer rather than a dropped connection.
