@@ -362,10 +362,17 @@ pub(super) fn in_helper(
             // answer for it.
             let orphaned = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).is_err()
                 || nix::unistd::getppid() != monitor;
+            // A panic must end this process like any other outcome: unwound further, it would
+            // reach the monitor's runtime (tokio catches task panics) and leave a second monitor
+            // running on the parent's descriptors.
+            let run = || {
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                    .unwrap_or_else(|_| Err(Status::internal("the monitor's helper panicked")))
+            };
             let msg = match if orphaned {
                 Err(Status::failed_precondition("the pod's monitor is gone"))
             } else {
-                f()
+                run()
             } {
                 Ok(pid) => format!("P{}\n", pid.as_raw()),
                 Err(s) => format!("E{}:{}\n", s.code(), s.message().replace('\n', " ")),
