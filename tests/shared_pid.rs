@@ -660,6 +660,16 @@ async fn the_pods_pid_1_gives_a_container_nothing_of_the_host() {
     assert!(lines[0].contains(" - tmpfs "), "{mounts}");
     assert!(!mounts.contains(&h.state.display().to_string()), "{mounts}");
 
+    // Nothing of hako's options (the pod's directory under its state) or the daemon's
+    // environment: PID 1 is a fork of the monitor that never execs.
+    let cmdline = exec(&mut rt, &tracer, "tr '\\0' ' ' < /proc/1/cmdline").await;
+    assert!(
+        !cmdline.contains(&h.state.display().to_string()),
+        "{cmdline}"
+    );
+    assert!(!cmdline.contains("--options"), "{cmdline}");
+    let environ = exec(&mut rt, &tracer, "tr '\\0' '\\n' < /proc/1/environ; true").await;
+    assert!(!environ.contains('='), "{environ}");
     // Not dumpable and no longer root: even CAP_SYS_PTRACE finds an empty root, if any.
     let root = exec(
         &mut rt,
@@ -671,6 +681,64 @@ async fn the_pods_pid_1_gives_a_container_nothing_of_the_host() {
         !root.contains("etc") && !root.contains("usr"),
         "the host's root through /proc/1/root: {root}"
     );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// Processes of the pod's PID namespace (host pids) in state `Z`.
+fn zombies_in_pid_ns_of(member: i32) -> Vec<i32> {
+    let ns = std::fs::read_link(format!("/proc/{member}/ns/pid")).unwrap();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            std::fs::read_link(format!("/proc/{p}/ns/pid")).is_ok_and(|n| n == ns)
+                && std::fs::read_to_string(format!("/proc/{p}/status"))
+                    .is_ok_and(|s| s.lines().any(|l| l.starts_with("State:\tZ")))
+        })
+        .collect()
+}
+
+/// What a container of the pod orphans is reparented to the pod's PID 1, which reaps it when
+/// it ends: no zombie stays behind. (The kernel drops a SIGCHLD at its default disposition for
+/// a namespace's init, and PID 1 used to wait for it in `pause` forever.)
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pods_pid_1_reaps_what_the_pod_orphans() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = shared_pid_pod("reaper", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let c = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("parent", &["sleep", "3600"]),
+    )
+    .await;
+    // Each subshell exits at once; its sleep, orphaned, ends a moment later.
+    exec(
+        &mut rt,
+        &c,
+        "for i in 1 2 3 4 5; do (sleep 0.2 &); done; echo started",
+    )
+    .await;
+    let member = container_pid(&mut rt, &c).await;
+    support::wait_for(
+        "the orphaned sleeps to end",
+        Duration::from_secs(10),
+        || processes_with_cmdline(&["sleep", "0.2"]) == 0,
+    )
+    .await;
+    support::wait_for(
+        "the pod's PID 1 to reap the orphans",
+        Duration::from_secs(5),
+        || zombies_in_pid_ns_of(member).is_empty(),
+    )
+    .await;
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

@@ -144,7 +144,19 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
                 // Nothing the monitor holds (its listener, the pod's descriptors) stays
                 // reachable through this process, whose /proc entries the pod can read.
                 // SAFETY: this process owns no descriptor it uses after this point.
-                unsafe { libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) };
+                if unsafe { libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) } != 0 {
+                    // Before Linux 5.9: one by one, up to the descriptor limit.
+                    let mut lim = libc::rlimit {
+                        rlim_cur: 1024,
+                        rlim_max: 1024,
+                    };
+                    // SAFETY: fills a local struct.
+                    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+                    for fd in 0..lim.rlim_cur.min(1 << 20) as libc::c_int {
+                        // SAFETY: as above.
+                        unsafe { libc::close(fd) };
+                    }
+                }
                 wait_forever()
             }
             c if c > 0 => {
@@ -195,6 +207,7 @@ const POD_INIT_ID: u32 = 65535;
 /// of its own, uid and gid 65535 with no capability (bounding set included), no new
 /// privileges, and it is not dumpable.
 fn confine() -> Result<()> {
+    scrub_cmdline_and_environ()?;
     unshare(CloneFlags::CLONE_NEWNS).map_err(|e| Error::sys("unshare mount namespace", e))?;
     mount(
         None::<&str>,
@@ -265,22 +278,67 @@ fn confine() -> Result<()> {
     Ok(())
 }
 
-/// The rest of an infra process's life: it reaps whatever the pod's PID namespace orphans.
-fn wait_forever() -> ! {
-    // SAFETY: resetting the signal mask and handlers of a process that only waits.
+/// Blanks what `/proc/1/cmdline` and `/proc/1/environ` show of the pod's PID 1, a fork of the
+/// monitor that never execs: the monitor's options (the pod's directory under hako's state)
+/// and the daemon's environment (proxy credentials, say), which any container of the pod
+/// reads, or one with CAP_SYS_PTRACE. Its argv[0] stays. The kernel shows these from the
+/// process's own memory, where its arguments and environment were laid out at exec; nothing
+/// in this process reads them again.
+fn scrub_cmdline_and_environ() -> Result<()> {
+    let stat = std::fs::read_to_string("/proc/self/stat")
+        .map_err(|e| Error::io("read", Path::new("/proc/self/stat"), e))?;
+    // Fields 48 to 51 (arg_start, arg_end, env_start, env_end), counted after the command
+    // name, which may hold spaces: there field 3 (the state) comes first, so field 48 is the
+    // 46th.
+    let fields: Vec<Option<usize>> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().map(|f| f.parse().ok()).collect())
+        .unwrap_or_default();
+    let [arg_start, arg_end, env_start, env_end] = match fields.get(45..49) {
+        Some(&[Some(a), Some(b), Some(c), Some(d)]) if a < b && c <= d => [a, b, c, d],
+        _ => return Err(Error::Helper(format!("unexpected /proc/self/stat: {stat}"))),
+    };
+    // SAFETY: the ranges are this process's argument and environment strings as the kernel
+    // reports them, writable stack memory that nothing reads after this.
     unsafe {
+        let args = std::slice::from_raw_parts_mut(arg_start as *mut u8, arg_end - arg_start);
+        let first = args
+            .iter()
+            .position(|&b| b == 0)
+            .map_or(args.len(), |n| n + 1);
+        args[first..].fill(0);
+        std::ptr::write_bytes(env_start as *mut u8, 0, env_end - env_start);
+    }
+    Ok(())
+}
+
+/// The rest of an infra process's life: it reaps whatever the pod's PID namespace orphans.
+///
+/// SIGCHLD is blocked and waited for: at its default disposition the kernel drops it for a
+/// namespace's init (which has no children of its own, so a plain `waitpid` fails at once and
+/// `pause` would never return), and the pod's orphans would stay zombies, counted against
+/// its pids limit.
+fn wait_forever() -> ! {
+    // SAFETY: sigset operations on a local set, and this process's own signal mask.
+    let set = unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGCHLD);
         libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
-    }
+        set
+    };
     loop {
-        match waitpid(Pid::from_raw(-1), None) {
-            Ok(_) => {}
-            Err(_) => {
-                // SAFETY: pause only waits for a signal.
-                unsafe { libc::pause() };
+        // Every child that has ended, then wait for the next end.
+        while let Ok(s) = waitpid(
+            Pid::from_raw(-1),
+            Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+        ) {
+            if s == WaitStatus::StillAlive {
+                break;
             }
         }
+        // SAFETY: waits for a signal of a set this function owns; the info is not needed.
+        unsafe { libc::sigwaitinfo(&set, std::ptr::null_mut()) };
     }
 }
 
