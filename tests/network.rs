@@ -1018,3 +1018,65 @@ async fn pod_metrics_count_the_pods_traffic_and_its_containers_cgroups() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// The daemon is stopped (SIGTERM) while a RunPodSandbox waits on a CNI ADD that outlasts the
+/// shutdown grace: the call is dropped with the runtime, and the pod's monitor goes with it
+/// (an undo step), instead of running on with its socket removed with the pod dir, which no
+/// later start could reach or stop.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_start_dropped_at_shutdown_leaves_no_monitor() {
+    let net = TestNet::new();
+    net.plugin_script(
+        "slowadd",
+        r#"cat > /dev/null
+[ "$CNI_COMMAND" = ADD ] && exec sleep 61
+[ "$CNI_COMMAND" = DEL ] && exit 0
+echo '{"cniVersion":"1.0.0"}'"#,
+    );
+    net.write_conflist_around(
+        "10-test.conflist",
+        &[serde_json::json!({"type": "slowadd"})],
+        &[],
+    );
+    let Some((_reg, mut h)) = on_net(&net, 120).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("dropped", logs.path());
+    let call = tokio::spawn(async move {
+        rt.run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg),
+            runtime_handler: String::new(),
+        })
+        .await
+    });
+    let monitors = |h: &support::hako::Hako| {
+        let needle = h.state.display().to_string();
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                std::fs::read(e.path().join("cmdline")).is_ok_and(|c| {
+                    let c = String::from_utf8_lossy(&c);
+                    c.contains(&needle) && c.contains("\0monitor\0")
+                })
+            })
+            .count()
+    };
+    support::wait_for(
+        "the pod's monitor to start",
+        Duration::from_secs(20),
+        || processes_with_cmdline(&["sleep", "61"]) > 0 && monitors(&h) == 1,
+    )
+    .await;
+    let status = h.stop();
+    assert!(status.success(), "{status:?}");
+    let _ = call.await;
+    support::wait_for(
+        "the dropped pod's monitor to be gone",
+        Duration::from_secs(5),
+        || monitors(&h) == 0,
+    )
+    .await;
+}

@@ -166,6 +166,16 @@ impl Runtime {
             .await
             .map_err(|e| e.context(format!("start pod {}", spec.name)))?;
         let t_spawned = t0.elapsed();
+        {
+            // A call dropped from here on (the daemon's shutdown ends what its grace did not
+            // let finish) must not leave the monitor running unreachable, its socket removed
+            // with the pod dir: it goes first (undo steps run last-in first-out).
+            let dir = dir.clone();
+            undo.push(move || {
+                kill_pod_processes(&dir);
+                hako_runtime::monitor::unpin_namespaces(&dir);
+            });
+        }
         let client = MonitorClient::new(dir.join("monitor.sock"));
         let recorded = async {
             let ips = match namespaces.get("network") {
