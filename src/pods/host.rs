@@ -120,29 +120,49 @@ pub(super) fn monitor_alive(pid: u32) -> bool {
     })
 }
 
-/// The processes of a container's cgroup, from every hierarchy that may hold them (v1's
-/// pids and memory controllers, or v2).
+/// Where a container's cgroup may be: v1's pids and memory hierarchies (every process is in
+/// both when they are mounted), the v2 hierarchy of a hybrid host, or a pure v2 one.
+const CGROUP_BASES: [&str; 4] = [
+    "/sys/fs/cgroup/pids",
+    "/sys/fs/cgroup/memory",
+    "/sys/fs/cgroup/unified",
+    "/sys/fs/cgroup",
+];
+
+/// The processes of a container's cgroup and of the cgroups below it (a privileged container
+/// may make its own), from every hierarchy that may hold them.
 fn cgroup_pids(cgroups_path: &str) -> Vec<i32> {
     let rel = cgroups_path.trim_start_matches('/');
     if rel.is_empty() {
         // The root cgroup is the whole node, never a container's.
         return Vec::new();
     }
-    [
-        "/sys/fs/cgroup/pids",
-        "/sys/fs/cgroup/memory",
-        "/sys/fs/cgroup/unified",
-        "/sys/fs/cgroup",
-    ]
-    .iter()
-    .filter_map(|base| std::fs::read_to_string(Path::new(base).join(rel).join("cgroup.procs")).ok())
-    .flat_map(|procs| {
-        procs
-            .lines()
-            .filter_map(|l| l.trim().parse::<i32>().ok())
-            .collect::<Vec<_>>()
-    })
-    .collect()
+    let mut pids = Vec::new();
+    let mut dirs: Vec<PathBuf> = CGROUP_BASES
+        .iter()
+        .map(|b| Path::new(b).join(rel))
+        .collect();
+    while let Some(dir) = dirs.pop() {
+        let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
+            continue;
+        };
+        // pid 0 would signal the daemon's own process group.
+        pids.extend(
+            procs
+                .lines()
+                .filter_map(|l| l.trim().parse::<i32>().ok())
+                .filter(|p| *p > 0),
+        );
+        dirs.extend(
+            std::fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path()),
+        );
+    }
+    pids
 }
 
 /// SIGKILLs every process in a container's cgroup (v1 controllers or v2).
@@ -155,17 +175,39 @@ pub(super) fn kill_cgroup(cgroups_path: &str) {
     }
 }
 
-/// SIGKILLs a container's cgroup until no process is left in it, for up to two seconds;
-/// whether it emptied (a process in uninterruptible sleep can outlast that).
+/// Thaws a container's cgroup: a monitor killed in the middle of a kill through the cgroup
+/// can leave it frozen, and on cgroup v1 a frozen process does not die of SIGKILL until thawed.
+fn thaw_cgroup(cgroups_path: &str) {
+    let rel = cgroups_path.trim_start_matches('/');
+    if rel.is_empty() {
+        return;
+    }
+    let _ = std::fs::write(
+        Path::new("/sys/fs/cgroup/freezer")
+            .join(rel)
+            .join("freezer.state"),
+        "THAWED",
+    );
+    for base in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {
+        let _ = std::fs::write(Path::new(base).join(rel).join("cgroup.freeze"), "0");
+    }
+}
+
+/// SIGKILLs a container's cgroup (thawed first) until no process is left in it, for up to
+/// two seconds; whether it emptied (a process in uninterruptible sleep can outlast that).
 pub(super) async fn end_cgroup(cgroups_path: &str) -> bool {
+    if cgroup_pids(cgroups_path).is_empty() {
+        return true;
+    }
+    thaw_cgroup(cgroups_path);
     for _ in 0..100 {
+        kill_cgroup(cgroups_path);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         if cgroup_pids(cgroups_path).is_empty() {
             return true;
         }
-        kill_cgroup(cgroups_path);
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    cgroup_pids(cgroups_path).is_empty()
+    false
 }
 
 /// Kills and removes the container cgroups (`hako-<id>`) left under a pod's cgroup by creates

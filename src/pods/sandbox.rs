@@ -278,7 +278,9 @@ impl Runtime {
     async fn stop_locked(&self, pod: PodRecord) -> Result<()> {
         if pod.state == PodState::NotReady {
             // Its monitor may have died before the network was torn down; the network
-            // namespace's pin was kept for that DEL, and goes after it.
+            // namespace's pin was kept for that DEL, and goes after it. What its containers
+            // left running (the lost monitor's single kill raced a fork, say) ends first.
+            self.end_containers(&pod).await?;
             self.detach(&pod).await?;
             hako_runtime::monitor::unpin_namespaces(&self.pod_dir(&pod.id));
             return Ok(());
@@ -325,18 +327,7 @@ impl Runtime {
                 tracing::warn!(pod = %pod.id, error = %chain(&e), "monitor unreachable while stopping: containers are ended through their cgroups");
             }
         }
-        // What the monitor did not report exited (it died, hangs, or lost the container) is
-        // ended through its cgroup before it is recorded Exited: kubelet takes a stopped pod's
-        // containers for gone and unmounts their volumes. A container that cannot be emptied
-        // fails the stop (kubelet retries it) rather than be reported exited while it runs.
-        for c in self.containers_of(&pod.id)? {
-            if c.state != ContainerState::Exited && !end_cgroup(&c.cgroups_path).await {
-                return Err(Error::Internal(format!(
-                    "stop pod sandbox {}: container {} still has processes in cgroup {} after SIGKILL",
-                    pod.id, c.id, c.cgroups_path
-                )));
-            }
-        }
+        self.end_containers(&pod).await?;
         for c in self.containers_of(&pod.id)? {
             self.store
                 .update(Table::Containers, &c.id, |r: &mut ContainerRecord| {
@@ -383,6 +374,22 @@ impl Runtime {
             "stop timings"
         );
         tracing::info!(pod = %pod.id, "pod sandbox stopped");
+        Ok(())
+    }
+
+    /// Ends through its cgroup each container of the pod not recorded Exited (its monitor died,
+    /// hangs, or lost it) before the stop records it so: kubelet takes a stopped pod's
+    /// containers for gone and unmounts their volumes. A container that cannot be emptied
+    /// fails the stop (kubelet retries it) rather than be reported exited while it runs.
+    async fn end_containers(&self, pod: &PodRecord) -> Result<()> {
+        for c in self.containers_of(&pod.id)? {
+            if c.state != ContainerState::Exited && !end_cgroup(&c.cgroups_path).await {
+                return Err(Error::Internal(format!(
+                    "stop pod sandbox {}: container {} still has processes in cgroup {} after SIGKILL",
+                    pod.id, c.id, c.cgroups_path
+                )));
+            }
+        }
         Ok(())
     }
 
