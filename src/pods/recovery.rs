@@ -301,8 +301,16 @@ impl Runtime {
             let info = match info {
                 Ok(info) => info,
                 Err(e) => {
-                    unsure = true;
                     self.check_monitor(pod, &e)?;
+                    // Still Ready: its monitor only did not answer (a gone one, after a
+                    // reboot say, has turned the pod NotReady and holds nothing).
+                    if self
+                        .store
+                        .get::<PodRecord>(Table::Pods, &pod.id)?
+                        .is_some_and(|p| p.state == PodState::Ready)
+                    {
+                        unsure = true;
+                    }
                     continue;
                 }
             };

@@ -486,6 +486,19 @@ pub fn unpin(dir: &Path) {
 /// (a pod whose monitor is lost keeps it until StopPodSandbox has run DEL).
 pub fn unpin_all_but_network(dir: &Path) {
     unpin_files(dir, &["ipc", "uts", "pid"]);
+    // Only a pin that still holds the namespace: a plain file left where one was (its mount
+    // gone with a reboot, the state dir kept) would be handed to DEL as a namespace path,
+    // which plugins refuse, and the stop would fail for good.
+    let net = dir.join("ns").join("net");
+    if net.exists() && !is_namespace(&net) {
+        let _ = std::fs::remove_file(&net);
+    }
+}
+
+/// Whether `path` is a namespace file (on nsfs, as a pin's bind mount is).
+fn is_namespace(path: &Path) -> bool {
+    const NSFS_MAGIC: i64 = 0x6e73_6673;
+    nix::sys::statfs::statfs(path).is_ok_and(|s| s.filesystem_type().0 == NSFS_MAGIC)
 }
 
 fn unpin_files(dir: &Path, files: &[&str]) {
