@@ -369,6 +369,7 @@ pub(super) fn in_helper(
                 std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
                     .unwrap_or_else(|_| Err(Status::internal("the monitor's helper panicked")))
             };
+            let helper = nix::unistd::getpid();
             let msg = match if orphaned {
                 Err(Status::failed_precondition("the pod's monitor is gone"))
             } else {
@@ -378,7 +379,11 @@ pub(super) fn in_helper(
                 Err(s) => format!("E{}:{}\n", s.code(), s.message().replace('\n', " ")),
             };
             let mut w = std::fs::File::from(w);
-            let _ = w.write_all(msg.as_bytes());
+            // Only the helper answers: a process it forked (the joined_pid mounter) that got
+            // here by a panic must not.
+            if nix::unistd::getpid() == helper {
+                let _ = w.write_all(msg.as_bytes());
+            }
             drop(w);
             // SAFETY: leave without running the parent's destructors or atexit handlers.
             unsafe { libc::_exit(0) }
@@ -601,17 +606,18 @@ impl Svc {
     async fn keep_record(&self, req: pb::KeepRecordRequest) -> Result<pb::Empty, Status> {
         let mut st = self.state.lock().expect("state");
         check_record_size(&st.opts.pod_id, &req)?;
-        // What the others take: every kept record but the one this replaces.
+        // What the others take: every kept record but the one this replaces, and each
+        // container's state beside them in the Info (a generous 256 bytes each).
         let kept_others = if req.container_id.is_empty() {
             0
         } else {
             st.pod_record.len()
-        } + st
-            .containers
-            .iter()
-            .filter(|(id, _)| **id != req.container_id)
-            .map(|(_, c)| c.record.len())
-            .sum::<usize>();
+        } + st.containers.len() * 256
+            + st.containers
+                .iter()
+                .filter(|(id, _)| **id != req.container_id)
+                .map(|(_, c)| c.record.len())
+                .sum::<usize>();
         check_kept_total(&st.opts.pod_id, kept_others, &req)?;
         if req.container_id.is_empty() {
             st.pod_record = req.record;
