@@ -108,19 +108,17 @@ impl Reaped {
         self.unclaimed.insert(pid, (std::time::Instant::now(), ws));
     }
 
-    /// The exit of `pid`, a process just made, if it was reaped before its waiter came: only a
-    /// fresh one, since an old orphan's exit under a pid reused since is not this process's.
-    pub fn claim(&mut self, pid: i32) -> Option<WaitStatus> {
-        self.unclaimed
-            .remove(&pid)
-            .filter(|(at, _)| at.elapsed() < UNCLAIMED_FOR)
-            .map(|(_, ws)| ws)
+    /// Registers the waiter of `pid`, a process just made. Its exit cannot have been reaped
+    /// yet (callers register before their next await, and only the reaper task reaps), so an
+    /// unclaimed exit under that pid is an older orphan's, the pid reused since: dropped, never
+    /// handed to this waiter.
+    pub fn register(&mut self, pid: i32) -> tokio::sync::oneshot::Receiver<WaitStatus> {
+        self.unclaimed.remove(&pid);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.waiting.insert(pid, tx);
+        rx
     }
 }
-
-/// How long an unclaimed exit can still be claimed: a process's waiter comes within the same
-/// call that made it.
-const UNCLAIMED_FOR: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub(crate) struct State {
     pub opts: Options,
@@ -370,17 +368,13 @@ mod tests {
             r.keep_unclaimed(pid, exit(pid));
             assert!(r.unclaimed.len() <= MAX_UNCLAIMED);
         }
+        // An orphan's exit under a pid a new process reuses is not that process's: its
+        // waiter gets nothing until the new process itself is reaped.
         let last = 10 * MAX_UNCLAIMED as i32;
-        assert_eq!(r.claim(last), Some(exit(last)));
-        assert_eq!(r.claim(last), None);
-        // An old one is not handed to a process that reuses its pid.
-        r.unclaimed.insert(
-            7,
-            (
-                std::time::Instant::now() - UNCLAIMED_FOR - std::time::Duration::from_secs(1),
-                exit(7),
-            ),
-        );
-        assert_eq!(r.claim(7), None);
+        assert!(r.unclaimed.contains_key(&last));
+        let mut rx = r.register(last);
+        assert!(rx.try_recv().is_err());
+        assert!(!r.unclaimed.contains_key(&last));
+        assert!(r.waiting.contains_key(&last));
     }
 }

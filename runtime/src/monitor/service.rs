@@ -1004,16 +1004,7 @@ impl Svc {
         // Registered before the next await: the reaper cannot run in between.
         let rx = {
             let mut st = self.state.lock().expect("state");
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            match st.reaped.claim(pid.as_raw()) {
-                Some(ws) => {
-                    let _ = tx.send(ws);
-                }
-                None => {
-                    st.reaped.waiting.insert(pid.as_raw(), tx);
-                }
-            }
-            rx
+            st.reaped.register(pid.as_raw())
         };
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let out = collect(out_r, stopped.clone())?;

@@ -473,16 +473,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     // Registered before the next await: the reaper cannot run in between.
     let exited = {
         let mut st = state.lock().expect("state");
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        match st.reaped.claim(pid.as_raw()) {
-            Some(ws) => {
-                let _ = tx.send(ws);
-            }
-            None => {
-                st.reaped.waiting.insert(pid.as_raw(), tx);
-            }
-        }
-        rx
+        st.reaped.register(pid.as_raw())
     };
     let fds = (|| {
         use tokio::io::Interest;
