@@ -138,11 +138,10 @@ fn cgroup_pids(cgroups_path: &str) -> Vec<i32> {
         return Vec::new();
     }
     let mut pids = Vec::new();
-    let mut dirs: Vec<PathBuf> = CGROUP_BASES
+    for dir in CGROUP_BASES
         .iter()
-        .map(|b| Path::new(b).join(rel))
-        .collect();
-    while let Some(dir) = dirs.pop() {
+        .flat_map(|b| cgroup_tree(&Path::new(b).join(rel)))
+    {
         let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) else {
             continue;
         };
@@ -153,7 +152,27 @@ fn cgroup_pids(cgroups_path: &str) -> Vec<i32> {
                 .filter_map(|l| l.trim().parse::<i32>().ok())
                 .filter(|p| *p > 0),
         );
-        dirs.extend(
+    }
+    pids
+}
+
+/// A cgroup directory and every cgroup below it, parents first; only directories of a cgroup
+/// filesystem (a privileged container could mount something else below its cgroup, with a
+/// `cgroup.procs` of its choosing).
+fn cgroup_tree(top: &Path) -> Vec<PathBuf> {
+    use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
+    let on_cgroupfs = |d: &Path| {
+        statfs(d).is_ok_and(|s| {
+            s.filesystem_type() == CGROUP_SUPER_MAGIC || s.filesystem_type() == CGROUP2_SUPER_MAGIC
+        })
+    };
+    let mut found = Vec::new();
+    let mut stack = vec![top.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        if !on_cgroupfs(&dir) {
+            continue;
+        }
+        stack.extend(
             std::fs::read_dir(&dir)
                 .into_iter()
                 .flatten()
@@ -161,8 +180,9 @@ fn cgroup_pids(cgroups_path: &str) -> Vec<i32> {
                 .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
                 .map(|e| e.path()),
         );
+        found.push(dir);
     }
-    pids
+    found
 }
 
 /// SIGKILLs every process in a container's cgroup (v1 controllers or v2).
@@ -182,14 +202,14 @@ fn thaw_cgroup(cgroups_path: &str) {
     if rel.is_empty() {
         return;
     }
-    let _ = std::fs::write(
-        Path::new("/sys/fs/cgroup/freezer")
-            .join(rel)
-            .join("freezer.state"),
-        "THAWED",
-    );
+    // Below it too: a cgroup that froze itself stays frozen when its parent thaws.
+    for dir in cgroup_tree(&Path::new("/sys/fs/cgroup/freezer").join(rel)) {
+        let _ = std::fs::write(dir.join("freezer.state"), "THAWED");
+    }
     for base in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {
-        let _ = std::fs::write(Path::new(base).join(rel).join("cgroup.freeze"), "0");
+        for dir in cgroup_tree(&Path::new(base).join(rel)) {
+            let _ = std::fs::write(dir.join("cgroup.freeze"), "0");
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 /// Starts `hako monitor` for a pod and waits for it to report ready (or the error that
 /// stopped it). Returns its pid and the paths of the namespaces it pinned. The monitor makes
 /// itself a session of its own.
-pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
+pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>, Started)> {
     // Executed through /proc/self/exe: the daemon's own image even when a package upgrade
     // has replaced the file (its path then no longer names it), so daemon and monitor always
     // speak the same protocol. argv[0] keeps the path for ps.
@@ -44,6 +44,10 @@ pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
     // The parent's copy of the write end went with `cmd`.
     drop(cmd);
     let pid = child.id().unwrap_or(0);
+    // Held through a pidfd opened while the child is unreaped (its pid names it alone): a
+    // call dropped while the monitor starts (the daemon's shutdown) kills it (`Started`'s
+    // guard), and the caller can until the pod is recorded.
+    let mut started = Started::open(pid);
     // tokio reaps the monitor if it exits while this daemon lives; otherwise it outlives us.
     drop(child);
     let report = tokio::time::timeout(Duration::from_secs(30), async move {
@@ -71,7 +75,8 @@ pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
         Some(ns) => {
             let ns = serde_json::from_str(ns)
                 .map_err(|e| Error::Internal(format!("pod monitor report {ns:?}: {e}")))?;
-            Ok((pid, ns))
+            started.armed = false;
+            Ok((pid, ns, started))
         }
         None => {
             let other = text.trim();
@@ -90,6 +95,51 @@ pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>)> {
                     format!(" (log: {})", log.trim())
                 }
             )))
+        }
+    }
+}
+
+/// A just-started monitor, by pidfd. While `armed` (until it reported ready) dropping it kills
+/// the monitor; after, [`Started::kill`] does, for a start undone before its record.
+pub struct Started {
+    pidfd: Option<std::os::fd::OwnedFd>,
+    armed: bool,
+}
+
+impl Started {
+    fn open(pid: u32) -> Started {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        Started {
+            // SAFETY: the syscall just returned this fd; nothing else owns it.
+            pidfd: (fd >= 0).then(|| unsafe {
+                <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32)
+            }),
+            armed: true,
+        }
+    }
+
+    /// SIGKILLs the monitor (nothing if it is gone: the pidfd cannot name another process).
+    pub fn kill(&self) {
+        if let Some(fd) = &self.pidfd {
+            // SAFETY: pidfd_send_signal on a pidfd this value owns.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    std::os::fd::AsRawFd::as_raw_fd(fd),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0,
+                )
+            };
+        }
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        if self.armed {
+            self.kill();
         }
     }
 }

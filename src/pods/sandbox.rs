@@ -162,17 +162,18 @@ impl Runtime {
             sysctls: net_sysctls.chain(ipc_sysctls).collect(),
         };
         let t_prepared = t0.elapsed();
-        let (pid, namespaces) = monitor_client::spawn(&opts)
+        let (pid, namespaces, started) = monitor_client::spawn(&opts)
             .await
             .map_err(|e| e.context(format!("start pod {}", spec.name)))?;
         let t_spawned = t0.elapsed();
         {
             // A call dropped from here on (the daemon's shutdown ends what its grace did not
             // let finish) must not leave the monitor running unreachable, its socket removed
-            // with the pod dir: it goes first (undo steps run last-in first-out).
+            // with the pod dir: it goes first (undo steps run last-in first-out), by its
+            // pidfd (a hung monitor may not even accept a connection to be found by).
             let dir = dir.clone();
             undo.push(move || {
-                kill_pod_processes(&dir);
+                started.kill();
                 hako_runtime::monitor::unpin_namespaces(&dir);
             });
         }

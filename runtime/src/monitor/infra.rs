@@ -285,8 +285,10 @@ fn confine() -> Result<()> {
 /// process's own memory, where its arguments and environment were laid out at exec; nothing
 /// in this process reads them again.
 fn scrub_cmdline_and_environ() -> Result<()> {
-    let stat = std::fs::read_to_string("/proc/self/stat")
+    // As bytes: the command name need not be UTF-8.
+    let stat = std::fs::read("/proc/self/stat")
         .map_err(|e| Error::io("read", Path::new("/proc/self/stat"), e))?;
+    let stat = String::from_utf8_lossy(&stat);
     // Fields 48 to 51 (arg_start, arg_end, env_start, env_end), counted after the command
     // name, which may hold spaces: there field 3 (the state) comes first, so field 48 is the
     // 46th.
@@ -497,8 +499,8 @@ pub fn unpin_all_but_network(dir: &Path) {
 
 /// Whether `path` is a namespace file (on nsfs, as a pin's bind mount is).
 fn is_namespace(path: &Path) -> bool {
-    const NSFS_MAGIC: i64 = 0x6e73_6673;
-    nix::sys::statfs::statfs(path).is_ok_and(|s| s.filesystem_type().0 == NSFS_MAGIC)
+    nix::sys::statfs::statfs(path)
+        .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::NSFS_MAGIC)
 }
 
 fn unpin_files(dir: &Path, files: &[&str]) {
