@@ -86,34 +86,26 @@ pub(crate) struct Ctr {
     pub fanout: streams::Fanout,
 }
 
-/// Exits nobody waited for that are kept: an exec registers its wait before the monitor can
-/// reap anything (no await in between), so none of them is ever asked for in practice.
-const MAX_UNCLAIMED: usize = 256;
-
 /// Exits of processes that are not container inits (execs), by pid, for whoever waits.
 #[derive(Default)]
 pub(crate) struct Reaped {
     pub waiting: HashMap<i32, tokio::sync::oneshot::Sender<WaitStatus>>,
-    pub unclaimed: HashMap<i32, (std::time::Instant, WaitStatus)>,
 }
 
 impl Reaped {
-    /// Most exits nobody waits for are orphans the pod's processes left (the monitor is their
-    /// subreaper), never asked for: a container sharing the host's PID namespace can make
-    /// them without end, so only the latest few are kept.
-    fn keep_unclaimed(&mut self, pid: i32, ws: WaitStatus) {
-        if self.unclaimed.len() >= MAX_UNCLAIMED {
-            self.unclaimed.clear();
+    /// Hands an exit to its waiter. One nobody waits for (an orphan the pod's processes left,
+    /// the monitor being their subreaper, or a helper) is dropped: a waiter is registered
+    /// before its process can be reaped, so none would ever be asked for, and keeping them
+    /// would hand an old orphan's exit to a new process reusing its pid.
+    fn deliver(&mut self, pid: i32, ws: WaitStatus) {
+        if let Some(tx) = self.waiting.remove(&pid) {
+            let _ = tx.send(ws);
         }
-        self.unclaimed.insert(pid, (std::time::Instant::now(), ws));
     }
 
     /// Registers the waiter of `pid`, a process just made. Its exit cannot have been reaped
-    /// yet (callers register before their next await, and only the reaper task reaps), so an
-    /// unclaimed exit under that pid is an older orphan's, the pid reused since: dropped, never
-    /// handed to this waiter.
+    /// yet: callers register before their next await, and only the reaper task reaps.
     pub fn register(&mut self, pid: i32) -> tokio::sync::oneshot::Receiver<WaitStatus> {
-        self.unclaimed.remove(&pid);
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.waiting.insert(pid, tx);
         rx
@@ -270,14 +262,7 @@ pub(crate) fn reap(state: &Shared) {
             tracing::info!(container = %id, code, signal, "container exited");
             continue;
         }
-        match st.reaped.waiting.remove(&pid.as_raw()) {
-            Some(tx) => {
-                let _ = tx.send(ws);
-            }
-            None => {
-                st.reaped.keep_unclaimed(pid.as_raw(), ws);
-            }
-        }
+        st.reaped.deliver(pid.as_raw(), ws);
     }
 }
 
@@ -361,20 +346,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn exits_nobody_waits_for_are_kept_within_a_bound() {
+    fn exits_go_to_their_waiters_and_no_others() {
         let mut r = Reaped::default();
         let exit = |pid| WaitStatus::Exited(Pid::from_raw(pid), 0);
-        for pid in 1..=10 * MAX_UNCLAIMED as i32 {
-            r.keep_unclaimed(pid, exit(pid));
-            assert!(r.unclaimed.len() <= MAX_UNCLAIMED);
+        let mut rx = r.register(7);
+        r.deliver(7, exit(7));
+        assert_eq!(rx.try_recv(), Ok(exit(7)));
+        assert!(r.waiting.is_empty());
+        // Exits nobody waits for are not kept: an orphan's exit under a pid a new process
+        // reuses is not that process's, whose waiter gets nothing until it is reaped itself.
+        for pid in 1..=2560 {
+            r.deliver(pid, exit(pid));
         }
-        // An orphan's exit under a pid a new process reuses is not that process's: its
-        // waiter gets nothing until the new process itself is reaped.
-        let last = 10 * MAX_UNCLAIMED as i32;
-        assert!(r.unclaimed.contains_key(&last));
-        let mut rx = r.register(last);
+        let mut rx = r.register(2560);
         assert!(rx.try_recv().is_err());
-        assert!(!r.unclaimed.contains_key(&last));
-        assert!(r.waiting.contains_key(&last));
+        assert!(r.waiting.contains_key(&2560));
     }
 }

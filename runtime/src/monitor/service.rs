@@ -343,7 +343,6 @@ static LISTENER_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32:
 /// which is the pod's child subreaper. The monitor is single-threaded, so forking is safe. And
 /// what libcontainer allocates and runs stays out of the long-lived monitor.
 pub(super) fn in_helper(
-    state: &Shared,
     f: impl FnOnce() -> Result<nix::unistd::Pid, Status>,
 ) -> Result<nix::unistd::Pid, Status> {
     use std::io::Write;
@@ -397,14 +396,9 @@ pub(super) fn in_helper(
                 &mut msg,
             );
             let msg = msg.trim_end().to_string();
-            // The helper is ours to reap; if the SIGCHLD reaper got it first, drop its record.
+            // The helper is ours to reap (the SIGCHLD reaper, if it got it first, dropped its
+            // exit: nobody waits for it).
             let _ = nix::sys::wait::waitpid(child, None);
-            state
-                .lock()
-                .expect("state")
-                .reaped
-                .unclaimed
-                .remove(&child.as_raw());
             read.map_err(|e| err("read helper result", e))?;
             if let Some(p) = msg.strip_prefix('P') {
                 let pid = p
@@ -688,7 +682,7 @@ impl Svc {
         let console_path = console.as_ref().map(|c| c.path.clone());
         let started = std::time::Instant::now();
         let hook_bundle = bundle.clone();
-        let pid = in_helper(&self.state, move || {
+        let pid = in_helper(move || {
             // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
             // held until the create returns.
             let _mount_ns = joined_pid::prepare(&bundle_for_helper).map_err(|e| match e {
@@ -836,7 +830,7 @@ impl Svc {
         // would otherwise leave its code and heap mapped in every idle monitor.
         let root = self.youki_root();
         let cid = id.clone();
-        in_helper(&self.state, move || {
+        in_helper(move || {
             let mut c = Container::load(root.join(&cid))
                 .map_err(|e| lc_err(format!("load container {cid}"), e))?;
             c.start()
@@ -985,7 +979,7 @@ impl Svc {
         let id = req.id.clone();
         let stdin = devnull()?;
         let process = pfile.clone();
-        let built = in_helper(&self.state, move || {
+        let built = in_helper(move || {
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(Workload { seccomp })
                 .with_root_path(root)

@@ -446,7 +446,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     };
     let id = req.id.clone();
     let process_file = pfile.clone();
-    let built = in_helper(state, move || {
+    let built = in_helper(move || {
         ContainerBuilder::new(id.clone(), SyscallType::default())
             .with_executor(Workload { seccomp })
             .with_root_path(root)
