@@ -45,27 +45,14 @@ pub(super) fn kill_pod_processes(pod_dir: &Path) {
     };
     // Held through a pidfd, then checked to be the listener still: a pid reused in between
     // would not be.
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
+    let Some(fd) = super::monitor_client::Pidfd::open(pid) else {
         return;
-    }
-    // SAFETY: the syscall just returned this fd; nothing else owns it.
-    let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    };
     if client.listener_pid() != Some(pid) {
         return;
     }
     tracing::warn!(pod_dir = %pod_dir.display(), pid, "killing a pod monitor that did not shut down");
-    // SAFETY: pidfd_send_signal on a pidfd this function owns.
-    unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            std::os::fd::AsRawFd::as_raw_fd(&fd),
-            libc::SIGKILL,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
+    fd.kill();
 }
 
 /// The names of the directories in `dir` (none when it does not exist).
@@ -187,9 +174,13 @@ fn cgroup_tree(top: &Path) -> Vec<PathBuf> {
 
 /// SIGKILLs every process in a container's cgroup (v1 controllers or v2).
 pub(super) fn kill_cgroup(cgroups_path: &str) {
-    for pid in cgroup_pids(cgroups_path) {
+    kill_all(&cgroup_pids(cgroups_path));
+}
+
+fn kill_all(pids: &[i32]) {
+    for pid in pids {
         let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
+            nix::unistd::Pid::from_raw(*pid),
             nix::sys::signal::Signal::SIGKILL,
         );
     }
@@ -216,16 +207,20 @@ fn thaw_cgroup(cgroups_path: &str) {
 /// SIGKILLs a container's cgroup (thawed first) until no process is left in it, for up to
 /// two seconds; whether it emptied (a process in uninterruptible sleep can outlast that).
 pub(super) async fn end_cgroup(cgroups_path: &str) -> bool {
-    if cgroup_pids(cgroups_path).is_empty() {
-        return true;
-    }
-    thaw_cgroup(cgroups_path);
-    for _ in 0..100 {
-        kill_cgroup(cgroups_path);
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        if cgroup_pids(cgroups_path).is_empty() {
+    // One reading of the cgroups per round: 100 rounds of SIGKILL 20 ms apart.
+    for round in 0..=100 {
+        let pids = cgroup_pids(cgroups_path);
+        if pids.is_empty() {
             return true;
         }
+        if round == 100 {
+            break;
+        }
+        if round == 0 {
+            thaw_cgroup(cgroups_path);
+        }
+        kill_all(&pids);
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     false
 }

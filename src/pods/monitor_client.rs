@@ -99,39 +99,56 @@ pub async fn spawn(opts: &Options) -> Result<(u32, BTreeMap<String, String>, Sta
     }
 }
 
+/// A process held by a pidfd: signals reach it or nothing, never a process that reused its
+/// pid.
+pub struct Pidfd(std::os::fd::OwnedFd);
+
+impl Pidfd {
+    /// `None` when the process is gone (or the kernel has no pidfds).
+    pub fn open(pid: u32) -> Option<Pidfd> {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+        // SAFETY: the syscall just returned this fd; nothing else owns it.
+        (fd >= 0).then(|| {
+            Pidfd(unsafe {
+                <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32)
+            })
+        })
+    }
+
+    pub fn kill(&self) {
+        // SAFETY: pidfd_send_signal on a pidfd this value owns.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                std::os::fd::AsRawFd::as_raw_fd(&self.0),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+    }
+}
+
 /// A just-started monitor, by pidfd. While `armed` (until it reported ready) dropping it kills
 /// the monitor; after, [`Started::kill`] does, for a start undone before its record.
 pub struct Started {
-    pidfd: Option<std::os::fd::OwnedFd>,
+    pidfd: Option<Pidfd>,
     armed: bool,
 }
 
 impl Started {
     fn open(pid: u32) -> Started {
-        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
         Started {
-            // SAFETY: the syscall just returned this fd; nothing else owns it.
-            pidfd: (fd >= 0).then(|| unsafe {
-                <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32)
-            }),
+            pidfd: Pidfd::open(pid),
             armed: true,
         }
     }
 
     /// SIGKILLs the monitor (nothing if it is gone: the pidfd cannot name another process).
     pub fn kill(&self) {
-        if let Some(fd) = &self.pidfd {
-            // SAFETY: pidfd_send_signal on a pidfd this value owns.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    std::os::fd::AsRawFd::as_raw_fd(fd),
-                    libc::SIGKILL,
-                    std::ptr::null::<libc::siginfo_t>(),
-                    0,
-                )
-            };
+        if let Some(p) = &self.pidfd {
+            p.kill();
         }
     }
 }
