@@ -567,6 +567,8 @@ async fn attachments_no_pod_owns_are_released_at_start() {
     kill_monitor(&mut rt, &forgotten).await;
     h.kill9();
     std::fs::remove_file(h.root.join("meta.db")).unwrap();
+    // And its CNI result cache entry torn (below).
+    tear_cni_cache_entry(&h, &forgotten);
     h.restart();
     // The running pod keeps its address; the other's is released.
     assert_eq!(
@@ -575,9 +577,9 @@ async fn attachments_no_pod_owns_are_released_at_start() {
         "{:?} of {kept_lease:?}",
         net.leased()
     );
-    assert!(h
-        .log_text()
-        .contains("released the network of a pod that no longer exists"));
+    assert!(h.log_text().contains(
+        "released the network of a pod that no longer exists (its CNI result cache entry did not parse)"
+    ));
     assert!(h
         .log_text()
         .contains("adopted a running pod whose record was lost"));
@@ -600,6 +602,45 @@ async fn attachments_no_pod_owns_are_released_at_start() {
     assert!(net.veths().is_empty(), "{:?}", net.veths());
     assert!(cni::netns_mounts_under(h.dir.path()).is_empty());
     assert_no_leaks(&h, &kept);
+}
+
+/// What a power loss can leave of a file written and renamed but never synced: its name and
+/// no data.
+fn tear_cni_cache_entry(h: &Hako, pod: &str) {
+    let entry = h.root.join("cni/results").join(format!("{pod}-eth0.json"));
+    assert!(
+        entry.exists(),
+        "no CNI result cache entry {}",
+        entry.display()
+    );
+    std::fs::write(&entry, b"").unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_torn_cni_result_cache_entry_still_releases_the_lease() {
+    let net = TestNet::new();
+    let Some((_reg, mut h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let pod = run_pod(&mut rt, &pod_config("torn", logs.path())).await;
+    assert_eq!(net.leased().len(), 1);
+    assert_eq!(net.veths().len(), 1);
+    h.kill9();
+    tear_cni_cache_entry(&h, &pod);
+    h.restart();
+    let mut rt = h.runtime().await;
+    // DEL through the current configuration with the pod's attachment, as libcni does
+    // without a cache entry; skipping it would leak the lease for good.
+    remove_pod(&mut rt, &pod).await;
+    assert!(h.log_text().contains(
+        "CNI result cache entry does not parse: DEL through the current network configuration"
+    ));
+    assert!(net.leased().is_empty(), "leases left: {:?}", net.leased());
+    assert!(net.veths().is_empty(), "veths left: {:?}", net.veths());
+    assert!(Hako::files_under(&h.root.join("cni/results")).is_empty());
+    assert_no_leaks(&h, &pod);
 }
 
 /// What `assert_no_leaks` checks of one pod while another still runs: its dirs, mounts,

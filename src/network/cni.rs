@@ -178,35 +178,44 @@ impl Cni {
         self.cache_dir.join(format!("{container_id}-{ifname}.json"))
     }
 
-    /// Every cached attachment (for GC at start). A `.tmp` left by a crash between a write and
-    /// its rename is removed: the entry it was replacing is still in place (the first write
-    /// comes before any plugin runs), so it holds nothing DEL would need.
-    pub fn cached(&self) -> Vec<Cached> {
-        let mut out = Vec::new();
+    /// Every cached attachment (for GC at start), and the (container id, ifname) of each entry
+    /// that does not parse (a write torn by a power loss before this daemon synced them, or
+    /// damage). A `.tmp` left by a crash between a write and its rename is removed: the entry
+    /// it was replacing is still in place (the first write comes before any plugin runs), so
+    /// it holds nothing DEL would need.
+    pub fn cached(&self) -> (Vec<Cached>, Vec<(String, String)>) {
+        let (mut out, mut unreadable) = (Vec::new(), Vec::new());
         for e in std::fs::read_dir(&self.cache_dir)
             .into_iter()
             .flatten()
             .flatten()
         {
-            if e.path().extension().is_some_and(|x| x == "tmp") {
-                tracing::info!(file = %e.path().display(), "removing a CNI result cache write a crash cut short");
-                let _ = std::fs::remove_file(e.path());
+            let path = e.path();
+            if path.extension().is_some_and(|x| x == "tmp") {
+                tracing::info!(file = %path.display(), "removing a CNI result cache write a crash cut short");
+                let _ = std::fs::remove_file(&path);
                 continue;
             }
-            match std::fs::read(e.path()).map(|b| serde_json::from_slice::<Cached>(&b)) {
+            match std::fs::read(&path).map(|b| serde_json::from_slice::<Cached>(&b)) {
                 Ok(Ok(c)) => out.push(c),
                 _ => {
-                    tracing::warn!(file = %e.path().display(), "unreadable CNI result cache entry")
+                    // `<container id>-<ifname>.json`; a pod id has no '-'.
+                    let key = path
+                        .file_stem()
+                        .and_then(|n| n.to_str())
+                        .and_then(|n| n.split_once('-'));
+                    match key {
+                        Some((id, ifname)) if path.extension().is_some_and(|x| x == "json") => {
+                            unreadable.push((id.to_string(), ifname.to_string()))
+                        }
+                        _ => {
+                            tracing::warn!(file = %path.display(), "stray file among the CNI result cache entries")
+                        }
+                    }
                 }
             }
         }
-        out
-    }
-
-    pub fn cached_for(&self, container_id: &str, ifname: &str) -> Option<Cached> {
-        std::fs::read(self.cache_path(container_id, ifname))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
+        (out, unreadable)
     }
 
     /// ADD through every plugin of the list. On failure the plugins already run are undone
@@ -220,7 +229,7 @@ impl Cni {
             attachment: att.clone(),
             result: Value::Null,
         };
-        self.save(&cached)?;
+        self.save(&cached, true)?;
         let mut prev: Option<Value> = None;
         for p in &cfg.plugins {
             match self.exec(&cfg, p, "ADD", Some(att), prev.as_ref()).await {
@@ -234,18 +243,33 @@ impl Cni {
             }
         }
         cached.result = prev.unwrap_or(Value::Null);
-        self.save(&cached)?;
+        self.save(&cached, false)?;
         Ok(cached)
     }
 
-    fn save(&self, c: &Cached) -> Result<()> {
+    /// Written durably: the entry is what lets DEL release the IPAM lease after a power loss
+    /// (host-local keeps its leases on disk), and a missing one means nothing to release. The
+    /// first write of an attachment also syncs the directory; a later rewrite lost to a power
+    /// loss leaves the first, which DEL can use (without `prevResult`).
+    fn save(&self, c: &Cached, first: bool) -> Result<()> {
         std::fs::create_dir_all(&self.cache_dir)
             .map_err(|e| Error::io("create directory", &self.cache_dir, e))?;
         let path = self.cache_path(&c.attachment.container_id, &c.attachment.ifname);
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec(c).expect("cache entry serializes"))
-            .map_err(|e| Error::io("write", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))
+        let write = || -> std::io::Result<()> {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&serde_json::to_vec(c).expect("cache entry serializes"))?;
+            f.sync_data()
+        };
+        write().map_err(|e| Error::io("write", &tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))?;
+        if first {
+            std::fs::File::open(&self.cache_dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| Error::io("sync", &self.cache_dir, e))?;
+        }
+        Ok(())
     }
 
     /// DEL of a cached attachment, plugins in reverse order, with the configuration ADD used.
@@ -273,12 +297,46 @@ impl Cni {
         }
     }
 
-    /// DEL of the pod's attachment, if it has one.
-    pub async fn del(&self, container_id: &str, ifname: &str) -> Result<()> {
-        match self.cached_for(container_id, ifname) {
-            Some(c) => self.del_cached(&c).await,
-            None => Ok(()),
-        }
+    /// DEL of the attachment `container_id`/`ifname`, if it has one: from its cache entry, or,
+    /// when the entry is there but does not parse, through the current configuration with
+    /// `fallback` (the attachment as it would be made now; a bare one without), as libcni does
+    /// without a cache. Skipping it would leak the IPAM lease for good.
+    pub async fn del(
+        &self,
+        container_id: &str,
+        ifname: &str,
+        fallback: Option<&Attachment>,
+    ) -> Result<()> {
+        let path = self.cache_path(container_id, ifname);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(Error::io("read", &path, e)),
+        };
+        let err = match serde_json::from_slice::<Cached>(&bytes) {
+            Ok(c) => return self.del_cached(&c).await,
+            Err(e) => e,
+        };
+        let config = self.load().map_err(|e| {
+            e.context(format!(
+                "the CNI result cache entry {} does not parse ({err}), and DEL needs a network configuration instead",
+                path.display()
+            ))
+        })?;
+        tracing::warn!(file = %path.display(), error = %err, network = %config.name, "CNI result cache entry does not parse: DEL through the current network configuration");
+        let attachment = fallback.cloned().unwrap_or_else(|| Attachment {
+            container_id: container_id.to_string(),
+            netns: PathBuf::new(),
+            ifname: ifname.to_string(),
+            args: vec![("IgnoreUnknown".into(), "1".into())],
+            runtime_config: json!({}),
+        });
+        self.del_cached(&Cached {
+            config,
+            attachment,
+            result: Value::Null,
+        })
+        .await
     }
 
     /// CHECK of a cached attachment (CNI 0.4.0 and later, unless the list disables it).

@@ -466,7 +466,21 @@ impl Runtime {
             Err(_) => return,
         };
         let mut valid = Vec::new();
-        for c in self.network.cni.cached() {
+        let (cached, unreadable) = self.network.cni.cached();
+        for (id, ifname) in unreadable {
+            if pods.contains_key(&id) {
+                // Its stop DELs it with the pod's own attachment.
+                valid.push((id, ifname));
+                continue;
+            }
+            match self.network.cni.del(&id, &ifname, None).await {
+                Ok(()) => {
+                    tracing::info!(pod = %id, "released the network of a pod that no longer exists (its CNI result cache entry did not parse)")
+                }
+                Err(e) => tracing::warn!(pod = %id, error = %chain(&e), "network GC: DEL failed"),
+            }
+        }
+        for c in cached {
             let id = c.attachment.container_id.clone();
             if let Some(pod) = pods.get(&id) {
                 valid.push((id.clone(), c.attachment.ifname.clone()));

@@ -201,7 +201,7 @@ impl Runtime {
                 ips,
             };
             if let Err(e) = self.store.put(Table::Pods, &id, &record) {
-                let _ = self.network.cni.del(&id, IFNAME).await;
+                let _ = self.network.cni.del(&id, IFNAME, None).await;
                 return Err(e);
             }
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -394,11 +394,16 @@ impl Runtime {
         Ok(())
     }
 
-    /// CNI DEL of the pod's attachment, from the cached ADD result (nothing when it has none).
+    /// CNI DEL of the pod's attachment, from the cached ADD result (nothing when it has none;
+    /// the pod's attachment as it would be made now when the entry does not parse).
     async fn detach(&self, pod: &PodRecord) -> Result<()> {
+        let fallback = pod.namespaces.get("network").map(|netns| {
+            self.network
+                .attachment(&pod.id, Path::new(netns), &pod.spec)
+        });
         self.network
             .cni
-            .del(&pod.id, IFNAME)
+            .del(&pod.id, IFNAME, fallback.as_ref())
             .await
             .map_err(|e| e.context(format!("tear down the network of pod {}", pod.id)))
     }
