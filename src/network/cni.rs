@@ -247,22 +247,19 @@ impl Cni {
         Ok(cached)
     }
 
-    /// Written durably: the entry is what lets DEL release the IPAM lease after a power loss
-    /// (host-local keeps its leases on disk), and a missing one means nothing to release. The
-    /// first write of an attachment also syncs the directory; a later rewrite lost to a power
-    /// loss leaves the first, which DEL can use (without `prevResult`).
+    /// The first write of an attachment (before any plugin runs) is made durable as a name:
+    /// the directory is synced, so after a power loss an attachment whose IPAM lease survived
+    /// has its entry, and a missing one means nothing to release. Its contents are not synced:
+    /// an entry a power loss left empty or torn is DELed through the current configuration
+    /// (`del`), and a lost rewrite with the result leaves the first, which DEL can use without
+    /// `prevResult`. (One sync per pod start: three cost about 1.7 ms here.)
     fn save(&self, c: &Cached, first: bool) -> Result<()> {
         std::fs::create_dir_all(&self.cache_dir)
             .map_err(|e| Error::io("create directory", &self.cache_dir, e))?;
         let path = self.cache_path(&c.attachment.container_id, &c.attachment.ifname);
         let tmp = path.with_extension("tmp");
-        let write = || -> std::io::Result<()> {
-            use std::io::Write;
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&serde_json::to_vec(c).expect("cache entry serializes"))?;
-            f.sync_data()
-        };
-        write().map_err(|e| Error::io("write", &tmp, e))?;
+        std::fs::write(&tmp, serde_json::to_vec(c).expect("cache entry serializes"))
+            .map_err(|e| Error::io("write", &tmp, e))?;
         std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))?;
         if first {
             std::fs::File::open(&self.cache_dir)
