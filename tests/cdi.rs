@@ -935,3 +935,127 @@ devices:
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// A slow create (a createRuntime hook with no timeout of its own, running longer than the
+/// daemon's 60 s deadline for the monitor's create) holds nothing else of the pod up: the
+/// monitor serves the pod meanwhile. The create fails DEADLINE_EXCEEDED, and what the monitor
+/// finishes later leaves nothing in the pod.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
+    let Some(cdi) = Cdi::new() else {
+        return;
+    };
+    let text = r#"cdiVersion: 0.6.0
+kind: hako.test/slow
+devices:
+  - name: create
+    containerEdits:
+      hooks:
+        - hookName: createRuntime
+          path: /bin/sh
+          args: [sh, -c, "sleep 67; cat > /dev/null"]
+"#;
+    cdi.write("etc", "slow.yaml", text);
+    let Some((_reg, h)) = setup(&cdi).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("cdi-slow", &logs.path().join("p"));
+    let pod = run_pod(&mut rt, &cfg).await;
+    let slow = with_cdi(
+        container_config("slow", &["sleep", "60"]),
+        &["hako.test/slow=create"],
+    );
+    let slow_create = {
+        let (mut rt, pod, cfg) = (rt.clone(), pod.clone(), cfg.clone());
+        tokio::spawn(async move { create(&mut rt, &pod, &cfg, slow).await })
+    };
+    // Past the daemon's 6.5 s wait for an answer the pod is still Ready (kubelet restarts a
+    // NotReady one), and another container is created, started and exec'd in.
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    let st = rt
+        .pod_sandbox_status(cri::PodSandboxStatusRequest {
+            pod_sandbox_id: pod.clone(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap();
+    assert_eq!(
+        st.state,
+        cri::PodSandboxState::SandboxReady as i32,
+        "{st:?}"
+    );
+    let meanwhile = create(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("meanwhile", &["sleep", "60"]),
+    )
+    .await
+    .unwrap();
+    rt.start_container(cri::StartContainerRequest {
+        container_id: meanwhile.clone(),
+    })
+    .await
+    .unwrap();
+    let out = rt
+        .exec_sync(cri::ExecSyncRequest {
+            container_id: meanwhile.clone(),
+            cmd: vec!["echo".into(), "served".into()],
+            timeout: 10,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(out.stdout, b"served\n");
+    rt.remove_container(cri::RemoveContainerRequest {
+        container_id: meanwhile.clone(),
+    })
+    .await
+    .unwrap();
+    assert!(
+        !h.log_text().contains("pod monitor did not answer"),
+        "{}",
+        h.log_text()
+    );
+    let e = slow_create.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    assert!(
+        e.message()
+            .contains("did not answer CreateContainer within 60 s"),
+        "{e:?}"
+    );
+    // The hook ends 7 s later, and the monitor's create with it.
+    let hook_gone = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !procs_with_arg("67").is_empty() {
+        assert!(std::time::Instant::now() < hook_gone, "the hook still runs");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let containers_cgroups = || -> Vec<std::path::PathBuf> {
+        pod_cgroup_dirs(&pod)
+            .into_iter()
+            .filter_map(|d| std::fs::read_dir(d).ok())
+            .flat_map(|rd| rd.flatten().map(|e| e.path()))
+            .filter(|p| p.is_dir())
+            .collect()
+    };
+    support::wait_for(
+        "the abandoned container's cgroups to go",
+        std::time::Duration::from_secs(10),
+        || containers_cgroups().is_empty(),
+    )
+    .await;
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert!(listed.is_empty(), "{listed:?}");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

@@ -317,6 +317,12 @@ impl Runtime {
             if info.pod_record.is_empty() {
                 self.keep_record(&monitor, &pod.id, "", &**pod).await;
             }
+            if !info.creating.is_empty() {
+                // A create the last daemon left under way: its bundle and layer pins are in
+                // use (the monitor deletes it when its answer finds no caller).
+                tracing::warn!(pod = %pod.id, containers = ?info.creating, "creates under way in a pod monitor: files no record owns are kept until a later start");
+                unsure = true;
+            }
             for c in &info.containers {
                 match records.get(&c.id) {
                     Some(rec) => {

@@ -8,8 +8,9 @@
 //! `<pod dir>/monitor.sock`.
 //!
 //! It runs a current-thread tokio runtime and never uses the blocking pool, so it is
-//! single-threaded whenever libcontainer forks. libcontainer calls block that one thread for
-//! their few milliseconds; a pod's monitor has nothing else to do meanwhile.
+//! single-threaded whenever it forks. libcontainer runs in forked helpers; the monitor serves
+//! other calls while a create or start helper works, and blocks for an exec's (see
+//! `service::in_helper`).
 //!
 //! Container states: `Created` (init waits on libcontainer's notify socket) → `Running` (after
 //! `start`) → `Exited` (reaped here, exit recorded). `Delete` removes an exited or created one.
@@ -104,7 +105,8 @@ impl Reaped {
     }
 
     /// Registers the waiter of `pid`, a process just made. Its exit cannot have been reaped
-    /// yet: callers register before their next await, and only the reaper task reaps.
+    /// yet: it is its helper's child until the caller lets the helper go, after this, and only
+    /// the reaper task reaps.
     pub fn register(&mut self, pid: i32) -> tokio::sync::oneshot::Receiver<WaitStatus> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.waiting.insert(pid, tx);
@@ -121,6 +123,12 @@ pub(crate) struct State {
     pub pid_ns_dead: bool,
     pub ns_paths: HashMap<String, String>,
     pub containers: HashMap<String, Ctr>,
+    /// Ids whose create is under way (see `service::in_helper`).
+    pub creating: std::collections::HashSet<String>,
+    /// Pids of the helpers at work (see `service::in_helper`).
+    pub helpers: std::collections::HashSet<i32>,
+    /// Teardown has begun: no create or start begins, none that ends is kept.
+    pub shutting_down: bool,
     /// The daemon's record of the pod (KeepRecord), opaque here; empty until kept.
     pub pod_record: Vec<u8>,
     pub reaped: Reaped,
@@ -304,6 +312,9 @@ fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>)> 
         pid_ns_dead: false,
         ns_paths,
         containers: HashMap::new(),
+        creating: Default::default(),
+        helpers: Default::default(),
+        shutting_down: false,
         pod_record: Vec::new(),
         reaped: Reaped::default(),
         shutdown: Some(tx),

@@ -1,6 +1,6 @@
 //! The monitor's gRPC service and its serving loop.
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -129,6 +129,7 @@ fn info_of(st: &super::State, records: bool) -> pb::InfoResponse {
             .collect(),
         pid_ns_gone: st.pid_ns_dead,
         generation: *st.changes.borrow(),
+        creating: st.creating.iter().cloned().collect(),
     }
 }
 
@@ -334,7 +335,7 @@ impl ConsoleSocket {
 static LISTENER_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
 /// Runs a libcontainer create, start or exec in a forked helper and returns the new process's
-/// pid (0 for a start).
+/// pid (0 for a start), held by the helper until the returned [`Made`] is dropped.
 ///
 /// libcontainer writes the spec's `oom_score_adj` to its *caller* and marks the caller
 /// non-dumpable; done in the monitor itself, one container's score would stick to the monitor
@@ -342,16 +343,26 @@ static LISTENER_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32:
 /// takes those changes and exits; the new process, its child, is reparented to the monitor,
 /// which is the pod's child subreaper. The monitor is single-threaded, so forking is safe. And
 /// what libcontainer allocates and runs stays out of the long-lived monitor.
-pub(super) fn in_helper(
+///
+/// With [`Meanwhile::Serve`] the monitor serves other calls while the helper works (a CDI hook
+/// may take a minute: status calls, probes and the pod's other containers must not wait for
+/// it). What the helper made stays its child, out of the monitor's reaper's reach, until the
+/// caller has registered it and drops [`Made`]: a process that exits at once is not reaped
+/// before anyone waits for it.
+pub(super) async fn in_helper(
+    state: &Shared,
+    meanwhile: Meanwhile,
     f: impl FnOnce() -> Result<nix::unistd::Pid, Status>,
-) -> Result<nix::unistd::Pid, Status> {
+) -> Result<Made, Status> {
     use std::io::Write;
-    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| err("pipe", e))?;
+    let (r, w) = pipe()?;
+    let (release_r, release_w) = pipe()?;
     let monitor = nix::unistd::getpid();
     // SAFETY: the monitor runs a current-thread runtime and no other thread.
     match unsafe { nix::unistd::fork() }.map_err(|e| err("fork helper", e))? {
         nix::unistd::ForkResult::Child => {
             drop(r);
+            drop(release_w);
             let listener = LISTENER_FD.load(std::sync::atomic::Ordering::Relaxed);
             if listener >= 0 {
                 // SAFETY: the child's copy of the listener; nothing in the child uses it.
@@ -377,34 +388,109 @@ pub(super) fn in_helper(
                 Ok(pid) => format!("P{}\n", pid.as_raw()),
                 Err(s) => format!("E{}:{}\n", s.code(), s.message().replace('\n', " ")),
             };
-            let mut w = std::fs::File::from(w);
-            // Only the helper answers: a process it forked (the joined_pid mounter) that got
-            // here by a panic must not.
+            // Only the helper answers (and waits): a process it forked (the joined_pid mounter)
+            // that got here by a panic must not.
             if nix::unistd::getpid() == helper {
-                let _ = w.write_all(msg.as_bytes());
+                let mut w = std::fs::File::from(w);
+                if w.write_all(msg.as_bytes()).is_ok() {
+                    drop(w);
+                    // Until the monitor has taken over what was made: one byte, or the end of
+                    // the pipe if the monitor is gone.
+                    let mut b = [0u8; 1];
+                    while let Err(nix::errno::Errno::EINTR) =
+                        nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&release_r), &mut b)
+                    {
+                    }
+                }
             }
-            drop(w);
             // SAFETY: leave without running the parent's destructors or atexit handlers.
             unsafe { libc::_exit(0) }
         }
         nix::unistd::ForkResult::Parent { child } => {
             drop(w);
-            // One line, not to EOF: the new process holds a copy of the pipe until it execs.
-            let mut msg = String::new();
-            let read = std::io::BufRead::read_line(
-                &mut std::io::BufReader::new(std::fs::File::from(r)),
-                &mut msg,
-            );
-            let msg = msg.trim_end().to_string();
-            // The helper is ours to reap (the SIGCHLD reaper, if it got it first, dropped its
-            // exit: nobody waits for it).
-            let _ = nix::sys::wait::waitpid(child, None);
-            read.map_err(|e| err("read helper result", e))?;
+            drop(release_r);
+            // What the closure holds (the child's ends of pipes) goes now, not after the wait.
+            drop(f);
+            let release = Release(release_w);
+            // Teardown kills helpers still at work.
+            let _helper = Helper::new(state, child);
+            // One line, not to EOF: a helper forked meanwhile, or the new process until it
+            // execs, may hold a copy of the pipe; a helper that dies without one is seen
+            // through its pidfd. (It is reaped by the SIGCHLD reaper, which drops exits
+            // nobody waits for.)
+            // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+            let pidfd = match unsafe { libc::syscall(libc::SYS_pidfd_open, child.as_raw(), 0) } {
+                // SAFETY: a new fd, ours alone.
+                fd if fd >= 0 => Some(unsafe { OwnedFd::from_raw_fd(fd as i32) }),
+                _ => None,
+            };
+            let mut msg = Vec::new();
+            match meanwhile {
+                Meanwhile::Block => {
+                    wait_readable_or_exit(&r, pidfd.as_ref());
+                    set_nonblocking(&r)?;
+                    let mut b = [0u8; 256];
+                    while !msg.contains(&b'\n') {
+                        match nix::unistd::read(r.as_raw_fd(), &mut b) {
+                            Ok(0) | Err(nix::errno::Errno::EAGAIN) => break,
+                            Ok(n) => msg.extend_from_slice(&b[..n]),
+                            Err(nix::errno::Errno::EINTR) => {}
+                            Err(e) => return Err(err("read helper result", e)),
+                        }
+                    }
+                }
+                Meanwhile::Serve => {
+                    let mut reader = FdReader::new(r)?;
+                    let exited = async {
+                        // SAFETY: an OwnedFd is valid and stays the same fd until the
+                        // AsyncFd drops it.
+                        match pidfd.map(|fd| unsafe {
+                            tokio::io::unix::AsyncFd::register_with_interest(
+                                fd,
+                                tokio::io::Interest::READABLE,
+                            )
+                        }) {
+                            Some(Ok(fd)) => {
+                                let _ = fd.readable().await;
+                            }
+                            _ => std::future::pending().await,
+                        }
+                    };
+                    tokio::pin!(exited);
+                    let mut gone = false;
+                    while !msg.contains(&b'\n') {
+                        let read = reader.read_with(|b| msg.extend_from_slice(b));
+                        let n = if gone {
+                            // Gone: what it wrote before is in the pipe already.
+                            match tokio::time::timeout(Duration::from_millis(1), read).await {
+                                Ok(n) => n,
+                                Err(_) => break,
+                            }
+                        } else {
+                            tokio::select! {
+                                n = read => n,
+                                _ = &mut exited => {
+                                    gone = true;
+                                    continue;
+                                }
+                            }
+                        };
+                        if n.map_err(|e| err("read helper result", e))? == 0 {
+                            break;
+                        }
+                    }
+                }
+            }
+            let msg = String::from_utf8_lossy(&msg);
+            let msg = msg.lines().next().unwrap_or_default();
             if let Some(p) = msg.strip_prefix('P') {
                 let pid = p
                     .parse()
                     .map_err(|_| Status::internal(format!("helper result {msg:?}")))?;
-                return Ok(nix::unistd::Pid::from_raw(pid));
+                return Ok(Made {
+                    pid: nix::unistd::Pid::from_raw(pid),
+                    _release: release,
+                });
             }
             let (code, text) = msg
                 .strip_prefix('E')
@@ -415,6 +501,121 @@ pub(super) fn in_helper(
                 text.to_string(),
             ))
         }
+    }
+}
+
+/// A helper at work, listed for teardown (which kills those left).
+struct Helper {
+    state: Shared,
+    pid: nix::unistd::Pid,
+}
+
+impl Helper {
+    fn new(state: &Shared, pid: nix::unistd::Pid) -> Helper {
+        state.lock().expect("state").helpers.insert(pid.as_raw());
+        Helper {
+            state: state.clone(),
+            pid,
+        }
+    }
+}
+
+impl Drop for Helper {
+    fn drop(&mut self) {
+        self.state
+            .lock()
+            .expect("state")
+            .helpers
+            .remove(&self.pid.as_raw());
+    }
+}
+
+/// Blocks until `r` is readable or the process of `pidfd` (when there is one) has exited.
+fn wait_readable_or_exit(r: &OwnedFd, pidfd: Option<&OwnedFd>) {
+    let mut fds = [
+        libc::pollfd {
+            fd: r.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: pidfd.map_or(-1, |p| p.as_raw_fd()),
+            events: libc::POLLIN,
+            revents: 0,
+        },
+    ];
+    // SAFETY: two pollfds for descriptors held by the caller (a negative fd is ignored).
+    while unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } < 0
+        && nix::errno::Errno::last() == nix::errno::Errno::EINTR
+    {}
+}
+
+fn set_nonblocking(fd: &OwnedFd) -> Result<(), Status> {
+    nix::fcntl::fcntl(
+        fd.as_raw_fd(),
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )
+    .map(drop)
+    .map_err(|e| err("set O_NONBLOCK", e))
+}
+
+/// Whether the monitor serves other calls while a helper works.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Meanwhile {
+    Serve,
+    /// Nothing runs, the reaper included, until the helper answers: for a helper that finds
+    /// a process by its pid (an exec joins its container's init through `/proc/<pid>`; a
+    /// container may join a PID target's namespace), which a zombie keeps from reuse and a
+    /// reaped process frees.
+    Block,
+}
+
+/// An id whose create runs: a second create of it is refused meanwhile (the monitor serves
+/// other calls while a helper works).
+struct Creating {
+    state: Shared,
+    id: String,
+}
+
+impl Creating {
+    fn new(state: &Shared, id: &str) -> Result<Creating, Status> {
+        let mut st = state.lock().expect("state");
+        if st.shutting_down {
+            return Err(Status::failed_precondition(format!(
+                "container {id}: the pod monitor is shutting down"
+            )));
+        }
+        if st.containers.contains_key(id) || !st.creating.insert(id.to_string()) {
+            return Err(Status::already_exists(format!(
+                "container {id} exists in the pod monitor"
+            )));
+        }
+        Ok(Creating {
+            state: state.clone(),
+            id: id.to_string(),
+        })
+    }
+}
+
+impl Drop for Creating {
+    fn drop(&mut self) {
+        self.state.lock().expect("state").creating.remove(&self.id);
+    }
+}
+
+/// What a helper made; the helper (its parent) exits when this is dropped.
+pub(super) struct Made {
+    pub pid: nix::unistd::Pid,
+    _release: Release,
+}
+
+/// Lets a helper exit: one byte, not the end of the pipe, which a helper forked meanwhile may
+/// hold open.
+struct Release(OwnedFd);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let _ = nix::unistd::write(&self.0, b"x");
     }
 }
 
@@ -640,20 +841,11 @@ impl Svc {
                 crate::Error::PidNsGone
             )));
         }
-        if self
-            .state
-            .lock()
-            .expect("state")
-            .containers
-            .contains_key(&req.id)
-        {
-            return Err(Status::already_exists(format!(
-                "container {} exists in the pod monitor",
-                req.id
-            )));
-        }
-        // No await from here to the helper's fork: the check holds until the create.
-        self.check_pid_target(&req)?;
+        // Before anything of the id is touched (its console socket, say).
+        let creating = Creating::new(&self.state, &req.id)?;
+        // No await from here to the helper's fork, which then blocks the monitor: the check
+        // holds until the create.
+        let pid_target = self.check_pid_target(&req)?;
         let log = Arc::new(Mutex::new(
             LogWriter::open(std::path::Path::new(&req.log_path))
                 .map_err(|e| err(format!("open log {}", req.log_path), e))?,
@@ -682,7 +874,11 @@ impl Svc {
         let console_path = console.as_ref().map(|c| c.path.clone());
         let started = std::time::Instant::now();
         let hook_bundle = bundle.clone();
-        let pid = in_helper(move || {
+        let meanwhile = match pid_target {
+            true => Meanwhile::Block,
+            false => Meanwhile::Serve,
+        };
+        let made = in_helper(&self.state, meanwhile, move || {
             // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
             // held until the create returns.
             let _mount_ns = joined_pid::prepare(&bundle_for_helper).map_err(|e| match e {
@@ -710,7 +906,17 @@ impl Svc {
             c.pid()
                 .ok_or_else(|| Status::internal("created container has no pid"))
         })
+        .await
         .map_err(|e| with_hook_report(&hook_bundle, e))?;
+        let pid = made.pid;
+        if self.state.lock().expect("state").shutting_down {
+            // Teardown lists it among the creates under way and deletes it.
+            let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+            return Err(Status::failed_precondition(format!(
+                "container {}: the pod monitor is shutting down",
+                req.id
+            )));
+        }
         crate::cdi::fix_device_dirs(pid.as_raw(), &bundle);
         tracing::debug!(container = %req.id, ms = started.elapsed().as_secs_f64() * 1e3, "libcontainer create");
         let fanout = streams::Fanout::default();
@@ -765,6 +971,10 @@ impl Svc {
             },
         );
         st.changed();
+        drop(st);
+        // Registered: the helper may exit and hand the init over to the reaper.
+        drop(made);
+        drop(creating);
         tracing::info!(container = %req.id, pid = pid.as_raw(), "container created");
         Ok(pb::CreateContainerResponse {
             pid: pid.as_raw() as u32,
@@ -776,14 +986,15 @@ impl Svc {
     /// container: it must still be this pod's, not exited, and still hold that pid, or the
     /// pid may since name another process (another container of the pod, even). Checked with
     /// no await before the create, so the reaper cannot free the pid in between (an exit
-    /// leaves a zombie until reaped here).
-    fn check_pid_target(&self, req: &pb::CreateContainerRequest) -> Result<(), Status> {
+    /// leaves a zombie until reaped here); true when the create joins it, so the monitor
+    /// blocks until the helper answers.
+    fn check_pid_target(&self, req: &pb::CreateContainerRequest) -> Result<bool, Status> {
         let id = &req.id;
         let config = std::path::Path::new(&req.bundle).join("config.json");
         let raw =
             std::fs::read(&config).map_err(|e| err(format!("read {}", config.display()), e))?;
         if !raw.windows(7).any(|w| w == b"/ns/pid") {
-            return Ok(());
+            return Ok(false);
         }
         let spec: serde_json::Value = serde_json::from_slice(&raw)
             .map_err(|e| err(format!("parse {}", config.display()), e))?;
@@ -797,7 +1008,7 @@ impl Svc {
         // The pod's own shared namespace is a pin under its directory; any path through a
         // process is a container's, by its pid.
         let Some(path) = path.filter(|p| p.starts_with("/proc/")) else {
-            return Ok(());
+            return Ok(false);
         };
         let Some(target) = path
             .strip_prefix("/proc/")
@@ -809,7 +1020,7 @@ impl Svc {
             )));
         };
         let st = self.state.lock().expect("state");
-        pid_target_holds(&st, id, &req.pid_target, target)
+        pid_target_holds(&st, id, &req.pid_target, target).map(|()| true)
     }
 
     async fn start_container(&self, req: pb::ContainerRef) -> Result<pb::ContainerState, Status> {
@@ -830,20 +1041,34 @@ impl Svc {
         // would otherwise leave its code and heap mapped in every idle monitor.
         let root = self.youki_root();
         let cid = id.clone();
-        in_helper(move || {
+        // Its start time is taken now: the container may exit, and its exit be reported, before
+        // the helper answers (the monitor serves meanwhile).
+        let started_at = now_nanos();
+        if let Some(c) = self.state.lock().expect("state").containers.get_mut(&id) {
+            c.started_at = started_at;
+        }
+        let started = in_helper(&self.state, Meanwhile::Serve, move || {
             let mut c = Container::load(root.join(&cid))
                 .map_err(|e| lc_err(format!("load container {cid}"), e))?;
             c.start()
                 .map_err(|e| lc_err(format!("start container {cid}"), e))?;
             Ok(nix::unistd::Pid::from_raw(0))
         })
+        .await;
+        if started.is_err() {
+            if let Some(c) = self.state.lock().expect("state").containers.get_mut(&id) {
+                if c.phase == Phase::Created {
+                    c.started_at = 0;
+                }
+            }
+        }
         // A failing poststart hook fails the start; its report names it.
-        .map_err(|e| with_hook_report(&bundle, e))?;
+        started.map_err(|e| with_hook_report(&bundle, e))?;
         self.await_start_hooks(&id).await?;
         {
             let mut st = self.state.lock().expect("state");
             if let Some(c) = st.containers.get_mut(&id) {
-                c.started_at = now_nanos();
+                c.started_at = started_at;
                 if c.phase == Phase::Created {
                     c.phase = Phase::Running;
                 }
@@ -979,7 +1204,7 @@ impl Svc {
         let id = req.id.clone();
         let stdin = devnull()?;
         let process = pfile.clone();
-        let built = in_helper(move || {
+        let built = in_helper(&self.state, Meanwhile::Block, move || {
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(Workload { seccomp })
                 .with_root_path(root)
@@ -992,14 +1217,17 @@ impl Svc {
                 .with_detach(true)
                 .build()
                 .map_err(|e| lc_err(format!("exec in container {id}"), e))
-        });
+        })
+        .await;
         let _ = std::fs::remove_file(&pfile);
-        let pid = built?;
-        // Registered before the next await: the reaper cannot run in between.
+        let made = built?;
+        let pid = made.pid;
+        // Registered before the helper lets it go to the reaper.
         let rx = {
             let mut st = self.state.lock().expect("state");
             st.reaped.register(pid.as_raw())
         };
+        drop(made);
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let out = collect(out_r, stopped.clone())?;
         let errs = collect(err_r, stopped)?;
@@ -1131,6 +1359,22 @@ impl Svc {
             }
             _ => {}
         }
+        // A create the daemon gave up on (its deadline, or it died, with the call queued behind
+        // a slow one) is not made: nobody would record it, and it would run on, unlisted,
+        // until the pod stops.
+        let create = match wire::method(tag) {
+            Some(Method::CreateContainer) => {
+                let id = pb::CreateContainerRequest::decode(body.as_slice())
+                    .map(|r| r.id)
+                    .unwrap_or_default();
+                if caller_gone(&conn) {
+                    tracing::warn!(container = %id, "the caller of a create is gone: not created");
+                    return;
+                }
+                Some(id)
+            }
+            _ => None,
+        };
         let answer = match wire::method(tag) {
             Some(m) => self.dispatch(m, &body).await,
             None => Err(Status::new(
@@ -1142,8 +1386,25 @@ impl Svc {
             Ok(bytes) => (wire::code::OK, bytes),
             Err(s) => (s.code(), s.message().as_bytes().to_vec()),
         };
-        // The caller may have gone (its own timeout): nothing to do about it here.
-        let _ = wire::write_frame(&mut conn, code, &body).await;
+        let delivered = wire::write_frame(&mut conn, code, &body).await.is_ok();
+        match create {
+            // ... nor kept when the caller went while it was made (the write to a closed
+            // socket fails).
+            Some(id) if code == wire::code::OK && !delivered => {
+                tracing::warn!(container = %id, "the caller of a create went while it was made: deleting the container");
+                if let Err(e) = self
+                    .delete(pb::DeleteRequest {
+                        id: id.clone(),
+                        force: true,
+                    })
+                    .await
+                {
+                    tracing::warn!(container = %id, error = %e.message(), "deleting a container nobody recorded");
+                }
+            }
+            // Otherwise the caller may have gone (its own timeout): nothing to undo.
+            _ => {}
+        }
     }
 
     async fn dispatch(&self, m: Method, body: &[u8]) -> Result<Vec<u8>, Status> {
@@ -1177,10 +1438,23 @@ impl Svc {
     }
 }
 
-/// Serves until `Shutdown` (or SIGTERM), then kills what is left of the pod and releases it.
+/// Whether the peer of a connection whose call was read has closed it: it sends nothing after
+/// its call, so the socket can only become readable (or hung up) by its end.
+fn caller_gone(conn: &tokio::net::UnixStream) -> bool {
+    let mut p = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(conn),
+        events: libc::POLLIN | libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one pollfd for a descriptor the stream owns, no wait.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n == 1 && p.revents & (libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 /// How long the monitor waits for a connected caller to send its call.
 const CALL_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Serves until `Shutdown` (or SIGTERM), then kills what is left of the pod and releases it.
 pub(crate) async fn serve(
     state: Shared,
     shutdown: tokio::sync::oneshot::Receiver<()>,
@@ -1246,6 +1520,25 @@ pub(crate) async fn serve(
 
 /// Kills every container and the infra process, and releases the namespaces.
 async fn teardown(state: &Shared) {
+    state.lock().expect("state").shutting_down = true;
+    // Creates under way finish first, for 2 s at most; the helpers of those that do not are
+    // killed, and what they made is deleted with the rest.
+    for _ in 0..100 {
+        if state.lock().expect("state").creating.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let helpers: Vec<i32> = state
+        .lock()
+        .expect("state")
+        .helpers
+        .iter()
+        .copied()
+        .collect();
+    for pid in helpers {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+    }
     let (to_kill, ids, infra_pid, dir, root) = {
         let st = state.lock().expect("state");
         (
@@ -1257,7 +1550,11 @@ async fn teardown(state: &Shared) {
                 .filter(|(_, c)| !(c.own_pid_ns && c.phase == Phase::Exited))
                 .map(|(id, c)| (id.clone(), c.pid, c.own_pid_ns))
                 .collect::<Vec<_>>(),
-            st.containers.keys().cloned().collect::<Vec<_>>(),
+            st.containers
+                .keys()
+                .chain(st.creating.iter())
+                .cloned()
+                .collect::<Vec<_>>(),
             st.infra_pid,
             st.opts.dir.clone(),
             st.opts.youki_root(),

@@ -14,7 +14,7 @@ use nix::sys::wait::WaitStatus;
 use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncRead;
 
-use super::service::{devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Workload};
+use super::service::{devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Meanwhile, Workload};
 use super::wire::{self, stream, Status, STREAM_CHUNK};
 use super::{now_nanos, Phase, Shared};
 
@@ -446,7 +446,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     };
     let id = req.id.clone();
     let process_file = pfile.clone();
-    let built = in_helper(move || {
+    let built = in_helper(state, Meanwhile::Block, move || {
         ContainerBuilder::new(id.clone(), SyscallType::default())
             .with_executor(Workload { seccomp })
             .with_root_path(root)
@@ -460,9 +460,10 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
             .with_detach(true)
             .build()
             .map_err(|e| lc_err(format!("exec in container {id}"), e))
-    });
+    })
+    .await;
     let _ = std::fs::remove_file(&pfile);
-    let pid = match built {
+    let made = match built {
         Ok(p) => p,
         Err(e) => {
             drop(console);
@@ -470,11 +471,13 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
             return Err(e);
         }
     };
-    // Registered before the next await: the reaper cannot run in between.
+    let pid = made.pid;
+    // Registered before the helper lets it go to the reaper.
     let exited = {
         let mut st = state.lock().expect("state");
         st.reaped.register(pid.as_raw())
     };
+    drop(made);
     let fds = (|| {
         use tokio::io::Interest;
         let mut s = Started {
