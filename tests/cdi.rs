@@ -939,7 +939,8 @@ devices:
 /// A slow create (a createRuntime hook with no timeout of its own, running longer than the
 /// daemon's 60 s deadline for the monitor's create) holds nothing else of the pod up: the
 /// monitor serves the pod meanwhile. The create fails DEADLINE_EXCEEDED, and what the monitor
-/// finishes later leaves nothing in the pod.
+/// finishes later leaves nothing in the pod; a pod removed while such a create is still under
+/// way (kubelet gives up on it) leaves nothing either.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
     let Some(cdi) = Cdi::new() else {
@@ -963,14 +964,18 @@ devices:
     let mut rt = h.runtime().await;
     let cfg = pod_config("cdi-slow", &logs.path().join("p"));
     let pod = run_pod(&mut rt, &cfg).await;
+    let cfg_removed = pod_config("cdi-slow-removed", &logs.path().join("r"));
+    let removed = run_pod(&mut rt, &cfg_removed).await;
     let slow = with_cdi(
         container_config("slow", &["sleep", "60"]),
         &["hako.test/slow=create"],
     );
-    let slow_create = {
-        let (mut rt, pod, cfg) = (rt.clone(), pod.clone(), cfg.clone());
+    let slow_create = |pod: &String, cfg: &cri::PodSandboxConfig| {
+        let (mut rt, pod, cfg, slow) = (rt.clone(), pod.clone(), cfg.clone(), slow.clone());
         tokio::spawn(async move { create(&mut rt, &pod, &cfg, slow).await })
     };
+    let (slow_create, slow_create_removed) =
+        (slow_create(&pod, &cfg), slow_create(&removed, &cfg_removed));
     // Past the daemon's 6.5 s wait for an answer the pod is still Ready (kubelet restarts a
     // NotReady one), and another container is created, started and exec'd in.
     tokio::time::sleep(std::time::Duration::from_secs(8)).await;
@@ -1022,13 +1027,17 @@ devices:
         "{}",
         h.log_text()
     );
-    let e = slow_create.await.unwrap().unwrap_err();
-    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
-    assert!(
-        e.message()
-            .contains("did not answer CreateContainer within 60 s"),
-        "{e:?}"
-    );
+    for create in [slow_create, slow_create_removed] {
+        let e = create.await.unwrap().unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+        assert!(
+            e.message()
+                .contains("did not answer CreateContainer within 60 s"),
+            "{e:?}"
+        );
+    }
+    // Its create still under way in the monitor (the hook has 7 s to go).
+    remove_pod(&mut rt, &removed).await;
     // The hook ends 7 s later, and the monitor's create with it.
     let hook_gone = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while !procs_with_arg("67").is_empty() {
@@ -1057,5 +1066,114 @@ devices:
         .containers;
     assert!(listed.is_empty(), "{listed:?}");
     remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+    assert_no_leaks(&h, &removed);
+}
+
+/// A daemon that dies while a create is under way in a monitor (a createRuntime hook of 12 s):
+/// the restarted daemon finds the create listed as under way and keeps its files (removed at
+/// the next start), and when the monitor finishes it, the answer finds no caller and the
+/// container is deleted, not left running in the pod, unlisted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
+    let Some(cdi) = Cdi::new() else {
+        return;
+    };
+    let text = r#"cdiVersion: 0.6.0
+kind: hako.test/slow
+devices:
+  - name: create
+    containerEdits:
+      hooks:
+        - hookName: createRuntime
+          path: /bin/sh
+          args: [sh, -c, "sleep 12.25; cat > /dev/null"]
+"#;
+    cdi.write("etc", "slow.yaml", text);
+    let Some((_reg, mut h)) = setup(&cdi).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("cdi-orphaned-create", &logs.path().join("p"));
+    let pod = run_pod(&mut rt, &cfg).await;
+    let slow = with_cdi(
+        container_config("slow", &["sleep", "60"]),
+        &["hako.test/slow=create"],
+    );
+    let call = {
+        let (mut rt, pod, cfg) = (rt.clone(), pod.clone(), cfg.clone());
+        tokio::spawn(async move { create(&mut rt, &pod, &cfg, slow).await })
+    };
+    let started = std::time::Instant::now();
+    support::wait_for(
+        "the hook to run",
+        std::time::Duration::from_secs(10),
+        || !procs_with_arg("12.25").is_empty(),
+    )
+    .await;
+    h.kill9();
+    assert!(call.await.unwrap().is_err());
+    h.restart();
+    assert!(
+        h.log_text()
+            .contains("creates under way in a pod monitor: files no record owns are kept"),
+        "{}",
+        h.log_text()
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(12),
+        "the hook ended before the daemon restarted"
+    );
+    let mut rt = h.runtime().await;
+    support::wait_for(
+        "the hook to end",
+        std::time::Duration::from_secs(30),
+        || procs_with_arg("12.25").is_empty(),
+    )
+    .await;
+    let containers_cgroups = || -> Vec<std::path::PathBuf> {
+        pod_cgroup_dirs(&pod)
+            .into_iter()
+            .filter_map(|d| std::fs::read_dir(d).ok())
+            .flat_map(|rd| rd.flatten().map(|e| e.path()))
+            .filter(|p| p.is_dir())
+            .collect()
+    };
+    support::wait_for(
+        "the container's cgroups to go",
+        std::time::Duration::from_secs(10),
+        || containers_cgroups().is_empty(),
+    )
+    .await;
+    let listed = rt
+        .list_containers(cri::ListContainersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert!(listed.is_empty(), "{listed:?}");
+    let monitor_log = h.state.join("pods").join(&pod).join("monitor.log");
+    assert!(std::fs::read_to_string(&monitor_log)
+        .unwrap()
+        .contains("the caller of a create went while it was made: deleting the container"));
+    // The pod goes on.
+    let id = create(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("after", &["sleep", "60"]),
+    )
+    .await
+    .unwrap();
+    rt.start_container(cri::StartContainerRequest { container_id: id })
+        .await
+        .unwrap();
+    remove_pod(&mut rt, &pod).await;
+    // The deleted create's bundle (kept while it was under way) goes at the next start.
+    let bundles = support::hako::Hako::files_under(&h.state.join("containers"));
+    assert!(!bundles.is_empty(), "the create's bundle was kept");
+    h.stop();
+    h.restart();
     assert_no_leaks(&h, &pod);
 }

@@ -380,11 +380,14 @@ pub(super) async fn in_helper(
                     .unwrap_or_else(|_| Err(Status::internal("the monitor's helper panicked")))
             };
             let helper = nix::unistd::getpid();
-            let msg = match if orphaned {
+            let result = if orphaned {
                 Err(Status::failed_precondition("the pod's monitor is gone"))
             } else {
                 run()
-            } {
+            };
+            // A start makes no process: nothing to hold until the monitor has registered it.
+            let holds = matches!(&result, Ok(pid) if pid.as_raw() > 0);
+            let msg = match result {
                 Ok(pid) => format!("P{}\n", pid.as_raw()),
                 Err(s) => format!("E{}:{}\n", s.code(), s.message().replace('\n', " ")),
             };
@@ -392,7 +395,7 @@ pub(super) async fn in_helper(
             // that got here by a panic must not.
             if nix::unistd::getpid() == helper {
                 let mut w = std::fs::File::from(w);
-                if w.write_all(msg.as_bytes()).is_ok() {
+                if w.write_all(msg.as_bytes()).is_ok() && holds {
                     drop(w);
                     // Until the monitor has taken over what was made: one byte, or the end of
                     // the pipe if the monitor is gone.
@@ -600,6 +603,28 @@ impl Creating {
 impl Drop for Creating {
     fn drop(&mut self) {
         self.state.lock().expect("state").creating.remove(&self.id);
+    }
+}
+
+/// A created container not listed yet: dropped armed (a failure on the way), its init is
+/// killed and its libcontainer state deleted.
+struct Unlisted {
+    pid: nix::unistd::Pid,
+    state_dir: PathBuf,
+    armed: bool,
+}
+
+impl Drop for Unlisted {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let _ = nix::sys::signal::kill(self.pid, Signal::SIGKILL);
+        if let Ok(mut c) = Container::load(self.state_dir.clone()) {
+            if let Err(e) = c.delete(true) {
+                tracing::warn!(state = %self.state_dir.display(), error = %e, "delete of a container whose create failed after libcontainer's");
+            }
+        }
     }
 }
 
@@ -909,9 +934,13 @@ impl Svc {
         .await
         .map_err(|e| with_hook_report(&hook_bundle, e))?;
         let pid = made.pid;
+        // Until it is listed, a failure ends what the helper made.
+        let mut unlisted = Unlisted {
+            pid,
+            state_dir: self.youki_root().join(&req.id),
+            armed: true,
+        };
         if self.state.lock().expect("state").shutting_down {
-            // Teardown lists it among the creates under way and deletes it.
-            let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
             return Err(Status::failed_precondition(format!(
                 "container {}: the pod monitor is shutting down",
                 req.id
@@ -923,9 +952,7 @@ impl Svc {
         let (mut stdin_w, mut console_fd) = (stdin_w, None);
         match console {
             Some(console) => {
-                let master = console.receive().inspect_err(|_| {
-                    let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
-                })?;
+                let master = console.receive()?;
                 // Copies for attach clients: input (with `stdin`) and resizes.
                 let copy = || {
                     nix::unistd::dup(std::os::fd::AsRawFd::as_raw_fd(&master))
@@ -972,6 +999,7 @@ impl Svc {
         );
         st.changed();
         drop(st);
+        unlisted.armed = false;
         // Registered: the helper may exit and hand the init over to the reaper.
         drop(made);
         drop(creating);
@@ -1172,14 +1200,29 @@ impl Svc {
         // The kernel lets a cgroup go only once its last task is fully gone, which can trail
         // the reaped exit by a moment (EBUSY under load, seen on cgroup v1's cpuset):
         // retried with backoff, about 0.6 s in all, as runc retries its rmdir.
+        // A state that does not load while its directory is there is retried the same way: a
+        // start the daemon gave up on may be rewriting it in its helper (libcontainer
+        // truncates the file in place). One that never loads is removed with a warning (the
+        // pod's removal sweeps what is left in its cgroups).
+        let state_dir = self.youki_root().join(&req.id);
         let mut attempt = 0;
-        while let Ok(mut c) = Container::load(self.youki_root().join(&req.id)) {
-            match c.delete(true) {
+        loop {
+            let (deleted, loaded) = match Container::load(state_dir.clone()) {
+                Ok(mut c) => (c.delete(true), true),
+                Err(_) if !state_dir.exists() => break,
+                Err(e) => (Err(e), false),
+            };
+            match deleted {
                 Ok(()) => break,
                 Err(e) if attempt < 6 => {
                     tracing::debug!(container = %req.id, attempt, error = %e, "delete failed; retrying");
                     tokio::time::sleep(Duration::from_millis(10 << attempt)).await;
                     attempt += 1;
+                }
+                Err(e) if !loaded => {
+                    tracing::warn!(container = %req.id, error = %e, "the container's libcontainer state does not load: removed as it is");
+                    let _ = std::fs::remove_dir_all(&state_dir);
+                    break;
                 }
                 Err(e) => return Err(lc_err(format!("delete container {}", req.id), e)),
             }
