@@ -430,10 +430,12 @@ pub(super) async fn in_helper(
             let mut msg = Vec::new();
             match meanwhile {
                 Meanwhile::Block => {
-                    wait_readable_or_exit(&r, pidfd.as_ref());
                     set_nonblocking(&r)?;
-                    let mut b = [0u8; 256];
+                    let mut b = [0u8; 4096];
+                    // A long error may come in more than one piece: read until its newline,
+                    // or until the helper is gone and the pipe has nothing more.
                     while !msg.contains(&b'\n') {
+                        wait_readable_or_exit(&r, pidfd.as_ref());
                         match nix::unistd::read(r.as_raw_fd(), &mut b) {
                             Ok(0) | Err(nix::errno::Errno::EAGAIN) => break,
                             Ok(n) => msg.extend_from_slice(&b[..n]),
