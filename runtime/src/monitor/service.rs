@@ -147,18 +147,7 @@ struct FdReader(tokio::io::unix::AsyncFd<OwnedFd>);
 
 impl FdReader {
     fn new(fd: OwnedFd) -> Result<Self, Status> {
-        use std::os::fd::AsRawFd;
-        nix::fcntl::fcntl(
-            fd.as_raw_fd(),
-            nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
-        )
-        .map_err(|e| err("set O_NONBLOCK", e))?;
-        // SAFETY: an OwnedFd is valid and stays the same fd until the AsyncFd drops it.
-        let fd = unsafe {
-            tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
-        }
-        .map_err(|e| err("register fd", e.into_parts().1))?;
-        Ok(FdReader(fd))
+        async_fd(fd, tokio::io::Interest::READABLE).map(FdReader)
     }
 
     /// Waits until the fd is readable, reads once into a buffer shared by every reader of this
@@ -447,14 +436,7 @@ pub(super) async fn in_helper(
                 Meanwhile::Serve => {
                     let mut reader = FdReader::new(r)?;
                     let exited = async {
-                        // SAFETY: an OwnedFd is valid and stays the same fd until the
-                        // AsyncFd drops it.
-                        match pidfd.map(|fd| unsafe {
-                            tokio::io::unix::AsyncFd::register_with_interest(
-                                fd,
-                                tokio::io::Interest::READABLE,
-                            )
-                        }) {
+                        match pidfd.map(|fd| async_fd(fd, tokio::io::Interest::READABLE)) {
                             Some(Ok(fd)) => {
                                 let _ = fd.readable().await;
                             }
@@ -562,6 +544,17 @@ fn set_nonblocking(fd: &OwnedFd) -> Result<(), Status> {
     )
     .map(drop)
     .map_err(|e| err("set O_NONBLOCK", e))
+}
+
+/// Registers a non-blocking fd with the runtime for `interest`.
+pub(super) fn async_fd(
+    fd: OwnedFd,
+    interest: tokio::io::Interest,
+) -> Result<tokio::io::unix::AsyncFd<OwnedFd>, Status> {
+    set_nonblocking(&fd)?;
+    // SAFETY: an OwnedFd is valid and stays the same fd until the AsyncFd drops it.
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, interest) }
+        .map_err(|e| err("register fd", e.into_parts().1))
 }
 
 /// Whether the monitor serves other calls while a helper works.

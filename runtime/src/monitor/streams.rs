@@ -14,7 +14,9 @@ use nix::sys::wait::WaitStatus;
 use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncRead;
 
-use super::service::{devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Meanwhile, Workload};
+use super::service::{
+    async_fd, devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Meanwhile, Workload,
+};
 use super::wire::{self, stream, Status, STREAM_CHUNK};
 use super::{now_nanos, Phase, Shared};
 
@@ -39,18 +41,6 @@ pub(crate) fn fan_out(f: &Fanout, stream: u8, bytes: &[u8]) {
             let _ = tx.send((stream, Arc::from(bytes)));
         }
     }
-}
-
-/// Registers a non-blocking fd with the runtime for `interest`.
-fn async_fd(fd: OwnedFd, interest: tokio::io::Interest) -> Result<AsyncFd<OwnedFd>, Status> {
-    nix::fcntl::fcntl(
-        fd.as_raw_fd(),
-        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
-    )
-    .map_err(|e| err("set O_NONBLOCK", e))?;
-    // SAFETY: an OwnedFd is valid and stays the same fd until the AsyncFd drops it.
-    unsafe { AsyncFd::register_with_interest(fd, interest) }
-        .map_err(|e| err("register fd", e.into_parts().1))
 }
 
 /// A close-on-exec copy of `fd`: the same pipe, terminal or socket, registered on its own.
