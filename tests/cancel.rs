@@ -68,16 +68,6 @@ async fn wait_no_processes(h: &support::hako::Hako, what: &str) {
     }
 }
 
-/// Child cgroups (containers) under the pod's cgroup, in every hierarchy.
-fn container_cgroups(pod: &str) -> Vec<std::path::PathBuf> {
-    pod_cgroup_dirs(pod)
-        .into_iter()
-        .filter_map(|d| std::fs::read_dir(d).ok())
-        .flat_map(|rd| rd.flatten().map(|e| e.path()))
-        .filter(|p| p.is_dir())
-        .collect()
-}
-
 async fn pods_named(rt: &mut Rt, name: &str) -> Vec<String> {
     rt.list_pod_sandbox(cri::ListPodSandboxRequest::default())
         .await

@@ -936,6 +936,15 @@ devices:
     assert_no_leaks(&h, &pod);
 }
 
+/// Device `hako.test/slow=create`: a createRuntime hook that sleeps `secs` (a number no
+/// other process has as an argument, for `procs_with_arg`), with no timeout of its own.
+fn write_slow_spec(cdi: &Cdi, secs: &str) {
+    let text = format!(
+        "cdiVersion: 0.6.0\nkind: hako.test/slow\ndevices:\n  - name: create\n    containerEdits:\n      hooks:\n        - hookName: createRuntime\n          path: /bin/sh\n          args: [sh, -c, \"sleep {secs}; cat > /dev/null\"]\n"
+    );
+    cdi.write("etc", "slow.yaml", &text);
+}
+
 /// A slow create (a createRuntime hook with no timeout of its own, running longer than the
 /// daemon's 60 s deadline for the monitor's create) holds nothing else of the pod up: the
 /// monitor serves the pod meanwhile. The create fails DEADLINE_EXCEEDED, and what the monitor
@@ -946,17 +955,7 @@ async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
     let Some(cdi) = Cdi::new() else {
         return;
     };
-    let text = r#"cdiVersion: 0.6.0
-kind: hako.test/slow
-devices:
-  - name: create
-    containerEdits:
-      hooks:
-        - hookName: createRuntime
-          path: /bin/sh
-          args: [sh, -c, "sleep 67; cat > /dev/null"]
-"#;
-    cdi.write("etc", "slow.yaml", text);
+    write_slow_spec(&cdi, "67");
     let Some((_reg, h)) = setup(&cdi).await else {
         return;
     };
@@ -979,20 +978,9 @@ devices:
     // Past the daemon's 6.5 s wait for an answer the pod is still Ready (kubelet restarts a
     // NotReady one), and another container is created, started and exec'd in.
     tokio::time::sleep(std::time::Duration::from_secs(8)).await;
-    let st = rt
-        .pod_sandbox_status(cri::PodSandboxStatusRequest {
-            pod_sandbox_id: pod.clone(),
-            verbose: false,
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-        .unwrap();
     assert_eq!(
-        st.state,
-        cri::PodSandboxState::SandboxReady as i32,
-        "{st:?}"
+        pod_state(&mut rt, &pod).await,
+        cri::PodSandboxState::SandboxReady as i32
     );
     let meanwhile = create(
         &mut rt,
@@ -1039,31 +1027,19 @@ devices:
     // Its create still under way in the monitor (the hook has 7 s to go).
     remove_pod(&mut rt, &removed).await;
     // The hook ends 7 s later, and the monitor's create with it.
-    let hook_gone = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !procs_with_arg("67").is_empty() {
-        assert!(std::time::Instant::now() < hook_gone, "the hook still runs");
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    }
-    let containers_cgroups = || -> Vec<std::path::PathBuf> {
-        pod_cgroup_dirs(&pod)
-            .into_iter()
-            .filter_map(|d| std::fs::read_dir(d).ok())
-            .flat_map(|rd| rd.flatten().map(|e| e.path()))
-            .filter(|p| p.is_dir())
-            .collect()
-    };
+    support::wait_for(
+        "the hook to end",
+        std::time::Duration::from_secs(30),
+        || procs_with_arg("67").is_empty(),
+    )
+    .await;
     support::wait_for(
         "the abandoned container's cgroups to go",
         std::time::Duration::from_secs(10),
-        || containers_cgroups().is_empty(),
+        || container_cgroups(&pod).is_empty(),
     )
     .await;
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert!(listed.is_empty(), "{listed:?}");
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
@@ -1079,17 +1055,7 @@ async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
     let Some(cdi) = Cdi::new() else {
         return;
     };
-    let text = r#"cdiVersion: 0.6.0
-kind: hako.test/slow
-devices:
-  - name: create
-    containerEdits:
-      hooks:
-        - hookName: createRuntime
-          path: /bin/sh
-          args: [sh, -c, "sleep 12.25; cat > /dev/null"]
-"#;
-    cdi.write("etc", "slow.yaml", text);
+    write_slow_spec(&cdi, "12.25");
     let Some((_reg, mut h)) = setup(&cdi).await else {
         return;
     };
@@ -1132,26 +1098,13 @@ devices:
         || procs_with_arg("12.25").is_empty(),
     )
     .await;
-    let containers_cgroups = || -> Vec<std::path::PathBuf> {
-        pod_cgroup_dirs(&pod)
-            .into_iter()
-            .filter_map(|d| std::fs::read_dir(d).ok())
-            .flat_map(|rd| rd.flatten().map(|e| e.path()))
-            .filter(|p| p.is_dir())
-            .collect()
-    };
     support::wait_for(
         "the container's cgroups to go",
         std::time::Duration::from_secs(10),
-        || containers_cgroups().is_empty(),
+        || container_cgroups(&pod).is_empty(),
     )
     .await;
-    let listed = rt
-        .list_containers(cri::ListContainersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .containers;
+    let listed = all_containers(&mut rt).await;
     assert!(listed.is_empty(), "{listed:?}");
     let monitor_log = h.state.join("pods").join(&pod).join("monitor.log");
     assert!(std::fs::read_to_string(&monitor_log)

@@ -234,6 +234,16 @@ pub fn pod_cgroup_dirs(pod: &str) -> Vec<std::path::PathBuf> {
         .collect()
 }
 
+/// Child cgroups (containers) under the pod's cgroup, in every hierarchy.
+pub fn container_cgroups(pod: &str) -> Vec<std::path::PathBuf> {
+    pod_cgroup_dirs(pod)
+        .into_iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flat_map(|rd| rd.flatten().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect()
+}
+
 /// Processes whose command line names the pod (its monitor, its infra process).
 fn pod_processes(pod: &str) -> usize {
     std::fs::read_dir("/proc")
