@@ -1927,13 +1927,15 @@ async fn images_whose_snapshot_is_missing_are_dropped_at_start() {
 /// every image on it, files too, and keeps the rest. The store is edited between runs as a
 /// power loss would leave it: one image's top layer still unsynced from an earlier boot,
 /// another's from this boot (a daemon killed before its sync ran), which is synced and kept.
-/// The lost layer's files, pinned by a container of the earlier boot, are moved aside, not
-/// adopted by the next pull of that layer, and deleted once unpinned.
+/// The lost layer's files, pinned by a container of the earlier boot (its pod's monitor
+/// killed, as the machine's end would), are moved aside, kept while that container's record
+/// is, not adopted by the next pull of that layer, and deleted once the container is removed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_layer_not_on_disk_when_the_machine_went_down_is_dropped_at_start() {
     if !support::e2e_ready(&[support::registry::REGISTRY_BIN]) {
         return;
     }
+    use support::cri as c;
     let reg = Registry::start();
     let kept = busybox_image(
         Some(("kept", b"k")),
@@ -1961,10 +1963,35 @@ async fn a_layer_not_on_disk_when_the_machine_went_down_is_dropped_at_start() {
         chain_ids_of(&h, &lost_name).await,
     );
     assert_eq!(kept_chains[0], lost_chains[0], "one base layer");
+    // A container of the earlier boot on the lost layer, dead with the machine and not yet
+    // removed by kubelet.
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = c::pod_config("boot", logs.path());
+    let pod = c::run_pod(&mut rt, &cfg).await;
+    let mut cc = c::container_config("dead", &["sleep", "3600"]);
+    cc.image = Some(cri::ImageSpec {
+        image: lost_name.clone(),
+        ..Default::default()
+    });
+    c::run_container(&mut rt, &pod, &cfg, cc).await;
+    let monitor = c::monitor_pid(&mut rt, &pod).await;
+    drop(rt);
     assert!(h.stop().success());
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGKILL).unwrap();
+    support::wait_for("the killed monitor to die", Duration::from_secs(30), || {
+        support::process_dead(monitor.as_raw())
+    })
+    .await;
     let db = h.root.join("meta.db");
     let lost_dir = h.root.join("snapshots").join(hex(&lost_chains[1]));
     let lost_ino = std::fs::metadata(&lost_dir).unwrap().ino();
+    let moved_aside = |h: &Hako| {
+        snapshot_dirs(h)
+            .into_iter()
+            .filter(|d| d.starts_with(&format!("lost-{}-", hex(&lost_chains[1]))))
+            .count()
+    };
     {
         let store = hako::store::Store::open(&db).unwrap();
         assert_eq!(
@@ -1972,10 +1999,6 @@ async fn a_layer_not_on_disk_when_the_machine_went_down_is_dropped_at_start() {
             vec![],
             "synced by the stop at the latest"
         );
-        // A container of the earlier boot, dead with the machine and not yet removed.
-        store
-            .pin("dead-container", &[lost_chains[1].clone()])
-            .unwrap();
         let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
         for (chain, token) in [
             (&kept_chains[1], format!("{} 1-1", boot.trim())),
@@ -2003,11 +2026,7 @@ async fn a_layer_not_on_disk_when_the_machine_went_down_is_dropped_at_start() {
         !dirs.contains(&hex(&lost_chains[1]).to_string()),
         "{dirs:?}"
     );
-    assert!(
-        dirs.iter()
-            .any(|d| d.starts_with(&format!("lost-{}-", hex(&lost_chains[1])))),
-        "moved aside while pinned: {dirs:?}"
-    );
+    assert_eq!(moved_aside(&h), 1, "moved aside while pinned: {dirs:?}");
     assert!(dirs.contains(&hex(&kept_chains[1]).to_string()), "{dirs:?}");
     assert!(dirs.contains(&hex(&kept_chains[0]).to_string()), "{dirs:?}");
     assert!(h.stop().success());
@@ -2020,16 +2039,17 @@ async fn a_layer_not_on_disk_when_the_machine_went_down_is_dropped_at_start() {
         );
     }
     h.restart();
-    // Unpacked afresh: the files a pinned container had are not adopted as the layer.
+    // Unpacked afresh: the files a pinned container had are not adopted as the layer. (They
+    // are still there, pinned, so their inode is not free for the new directory to reuse.)
     assert_eq!(pull(&h, &lost_name).await.unwrap(), lost.id());
+    assert_eq!(moved_aside(&h), 1, "still pinned across restarts");
     assert_ne!(std::fs::metadata(&lost_dir).unwrap().ino(), lost_ino);
     assert_eq!(status(&h, &kept_name).await.unwrap().id, kept.id());
-    {
-        // Unpinned (the dead container removed), the moved files go at the next collection.
-        assert!(h.stop().success());
-        let store = hako::store::Store::open(&db).unwrap();
-        store.unpin("dead-container").unwrap();
-    }
+    // The dead container removed, its pin goes, and the moved files with the next collection.
+    let mut rt = h.runtime().await;
+    c::remove_pod(&mut rt, &pod).await;
+    drop(rt);
+    assert!(h.stop().success());
     h.restart();
     let dirs = snapshot_dirs(&h);
     assert!(!dirs.iter().any(|d| d.starts_with("lost-")), "{dirs:?}");
