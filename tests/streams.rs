@@ -356,6 +356,9 @@ async fn attach_fans_output_out_takes_stdin_and_detaches() {
     cc.stdin = true;
     cc.stdin_once = true;
     let once = run_container(&mut rt, &pod, &cfg, cc).await;
+    // Created and never started: its init, made after `cat-once`'s stdin, waits for its start
+    // and must not hold that stdin's write end, or `cat-once` never sees its EOF below.
+    create_container(&mut rt, &pod, &cfg, container_config("idle", &["true"])).await;
     drop(rt);
     // Attach after a daemon restart: the stdio lives in the monitor.
     let d = restart_in_process(&mut h).await;

@@ -158,22 +158,31 @@ pub async fn create_container_err(
     .unwrap_err()
 }
 
+/// CreateContainer, without a start; the container's id.
+pub async fn create_container(
+    rt: &mut Rt,
+    pod: &str,
+    cfg: &cri::PodSandboxConfig,
+    cc: cri::ContainerConfig,
+) -> String {
+    rt.create_container(cri::CreateContainerRequest {
+        pod_sandbox_id: pod.into(),
+        config: Some(cc),
+        sandbox_config: Some(cfg.clone()),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .container_id
+}
+
 pub async fn run_container(
     rt: &mut Rt,
     pod: &str,
     cfg: &cri::PodSandboxConfig,
     cc: cri::ContainerConfig,
 ) -> String {
-    let id = rt
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: pod.into(),
-            config: Some(cc),
-            sandbox_config: Some(cfg.clone()),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .container_id;
+    let id = create_container(rt, pod, cfg, cc).await;
     rt.start_container(cri::StartContainerRequest {
         container_id: id.clone(),
     })

@@ -144,19 +144,7 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
                 // Nothing the monitor holds (its listener, the pod's descriptors) stays
                 // reachable through this process, whose /proc entries the pod can read.
                 // SAFETY: this process owns no descriptor it uses after this point.
-                if unsafe { libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) } != 0 {
-                    // Before Linux 5.9: one by one, up to the descriptor limit.
-                    let mut lim = libc::rlimit {
-                        rlim_cur: 1024,
-                        rlim_max: 1024,
-                    };
-                    // SAFETY: fills a local struct.
-                    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
-                    for fd in 0..lim.rlim_cur.min(1 << 20) as libc::c_int {
-                        // SAFETY: as above.
-                        unsafe { libc::close(fd) };
-                    }
-                }
+                unsafe { super::close_fds_except(&[]) };
                 wait_forever()
             }
             c if c > 0 => {
@@ -477,6 +465,13 @@ fn hold_ipc_uts(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
 
 /// The pod's IPC and UTS namespaces, for as long as the monitor lives.
 static HELD: std::sync::OnceLock<Vec<std::fs::File>> = std::sync::OnceLock::new();
+
+/// The descriptors holding the pod's namespaces, which containers join by number: a helper
+/// that closes what it does not use keeps these.
+pub(super) fn held_fds() -> impl Iterator<Item = std::os::fd::RawFd> {
+    use std::os::fd::AsRawFd;
+    HELD.get().into_iter().flatten().map(|f| f.as_raw_fd())
+}
 
 /// Releases pinned namespaces (unmounts the bind mounts; `ipc` and `uts` too, which monitors
 /// of earlier builds pinned).

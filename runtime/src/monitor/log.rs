@@ -34,6 +34,11 @@ fn to_log_fd(line: &[u8]) {
     }
 }
 
+/// The monitor log's fd, for the helpers that keep it (-1 before `init`).
+pub(super) fn fd() -> i32 {
+    LOG_FD.load(Ordering::Relaxed)
+}
+
 /// `HAKO_LOG` directives without spans or fields: `level` and `target=level`, comma
 /// separated; the longest matching target prefix decides, then the bare level; with neither,
 /// nothing. Targets matter: libcontainer logs from inside the processes it makes, whose stderr

@@ -334,6 +334,50 @@ pub fn short_socket_path(socket: &Path) -> std::io::Result<(std::fs::File, PathB
     Ok((dir, short))
 }
 
+/// Closes every descriptor of this process but `keep`, by
+/// `close_range` over the gaps; before Linux 5.9, one by one up to the descriptor limit.
+///
+/// # Safety
+/// Whatever owns a descriptor closed here must never use or close it again: call it in a
+/// forked child that goes on to use only `keep` and leaves by `_exit` or exec.
+pub(crate) unsafe fn close_fds_except(keep: &[i32]) {
+    // No allocation: a test calls this in a child forked from a threaded process.
+    let mut from = 0u32;
+    loop {
+        let next = keep
+            .iter()
+            .filter(|&&fd| fd >= 0 && fd as u32 >= from)
+            .map(|&fd| fd as u32)
+            .min();
+        let last = match next {
+            Some(fd) if fd == from => {
+                from = fd + 1;
+                continue;
+            }
+            Some(fd) => fd - 1,
+            None => u32::MAX,
+        };
+        // SAFETY: closes descriptors the caller gave up (see above).
+        if unsafe { libc::syscall(libc::SYS_close_range, from, last, 0u32) } != 0 {
+            let mut lim = libc::rlimit {
+                rlim_cur: 1024,
+                rlim_max: 1024,
+            };
+            // SAFETY: fills a local struct.
+            unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+            let end = (lim.rlim_cur.min(1 << 20) as u32).min(last.saturating_add(1));
+            for fd in from..end {
+                // SAFETY: as above.
+                unsafe { libc::close(fd as i32) };
+            }
+        }
+        match next {
+            Some(fd) => from = fd + 1,
+            None => return,
+        }
+    }
+}
+
 /// Where the monitor keeps the readiness pipe (close-on-exec) while it starts.
 pub const READY_FD: i32 = 3;
 
@@ -372,5 +416,36 @@ mod tests {
         let mut rx = r.register(2560);
         assert!(rx.try_recv().is_err());
         assert!(r.waiting.contains_key(&2560));
+    }
+
+    #[test]
+    fn a_forked_child_keeps_only_the_descriptors_it_names() {
+        use std::os::fd::AsRawFd;
+        let pipes: Vec<(OwnedFd, OwnedFd)> = (0..4)
+            .map(|_| nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap())
+            .collect();
+        let (report_r, report_w) = nix::unistd::pipe().unwrap();
+        let fds: Vec<i32> = pipes.iter().map(|(r, _)| r.as_raw_fd()).collect();
+        // Kept: the second and the last, between and beyond gaps, and the report pipe.
+        let keep = [0, 1, 2, fds[1], fds[3], report_w.as_raw_fd()];
+        // SAFETY: the child only checks descriptors, writes to the report pipe and _exits.
+        match unsafe { nix::unistd::fork() }.unwrap() {
+            nix::unistd::ForkResult::Child => {
+                unsafe { close_fds_except(&keep) };
+                let mut open = [0u8; 4];
+                for (o, &fd) in open.iter_mut().zip(&fds) {
+                    *o = (unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0) as u8;
+                }
+                let _ = nix::unistd::write(&report_w, &open);
+                unsafe { libc::_exit(0) }
+            }
+            nix::unistd::ForkResult::Parent { child } => {
+                drop(report_w);
+                let mut open = [9u8; 4];
+                let n = nix::unistd::read(report_r.as_raw_fd(), &mut open).unwrap();
+                waitpid(child, None).unwrap();
+                assert_eq!(&open[..n], &[0, 1, 0, 1]);
+            }
+        }
     }
 }

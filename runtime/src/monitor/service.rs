@@ -256,7 +256,7 @@ fn collect(
 pub(super) struct ConsoleSocket {
     listener: std::os::unix::net::UnixListener,
     /// Kept open: `path` names the socket through it (see `short_socket_path`).
-    _dir: std::fs::File,
+    dir: std::fs::File,
     pub(super) path: PathBuf,
     real: PathBuf,
 }
@@ -272,10 +272,15 @@ impl ConsoleSocket {
             .map_err(|e| err(format!("bind console socket {}", real.display()), e))?;
         Ok(ConsoleSocket {
             listener,
-            _dir: dir_fd,
+            dir: dir_fd,
             path,
             real,
         })
+    }
+
+    /// The directory `path` names the socket through, for [`Inherit::dir`].
+    pub(super) fn dir_fd(&self) -> std::os::fd::RawFd {
+        self.dir.as_raw_fd()
     }
 
     /// The pty master, once the container's init has sent it (it did before create returned).
@@ -316,12 +321,19 @@ impl ConsoleSocket {
     }
 }
 
-/// The monitor's listening socket, which forked helpers close. Defence in depth: a
-/// container's init is cloned from a helper and, if it outlived the monitor before exec,
-/// would keep the socket listening, and the daemon would take the dead monitor for alive (and
-/// its SO_PEERCRED pid, possibly reused, for its pid). Not seen here: a created container's
-/// init was gone with its monitor in a test of exactly that.
-static LISTENER_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+/// What a helper's work uses of the monitor's descriptors, besides the pod's namespaces
+/// (`infra::held_fds`) and the monitor's log. The helper closes every other before it works: the container's init it makes is its child and holds what it inherits
+/// until it execs, at the start, possibly much later. Inherited, another container's stdin
+/// write end would keep that stdin from its EOF (`stdin_once`), an attach stream's socket
+/// would keep its client from seeing the end, and the monitor's listener would keep the daemon
+/// taking a dead monitor for alive.
+pub(super) struct Inherit {
+    /// The new process's stdin, stdout and stderr (none for a start).
+    pub(super) stdio: Option<[OwnedFd; 3]>,
+    /// A directory a path given to the work names through `/proc/self/fd/<n>/` (a console
+    /// socket's, see `short_socket_path`).
+    pub(super) dir: Option<std::os::fd::RawFd>,
+}
 
 /// Runs a libcontainer create, start or exec in a forked helper and returns the new process's
 /// pid (0 for a start), held by the helper until the returned [`Made`] is dropped.
@@ -341,7 +353,8 @@ static LISTENER_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32:
 pub(super) async fn in_helper(
     state: &Shared,
     meanwhile: Meanwhile,
-    f: impl FnOnce() -> Result<nix::unistd::Pid, Status>,
+    inherit: Inherit,
+    f: impl FnOnce(Option<[OwnedFd; 3]>) -> Result<nix::unistd::Pid, Status>,
 ) -> Result<Made, Status> {
     use std::io::Write;
     let (r, w) = pipe()?;
@@ -352,11 +365,21 @@ pub(super) async fn in_helper(
         nix::unistd::ForkResult::Child => {
             drop(r);
             drop(release_w);
-            let listener = LISTENER_FD.load(std::sync::atomic::Ordering::Relaxed);
-            if listener >= 0 {
-                // SAFETY: the child's copy of the listener; nothing in the child uses it.
-                unsafe { libc::close(listener) };
-            }
+            drop_signal_handlers();
+            let mut keep = vec![
+                0,
+                1,
+                2,
+                w.as_raw_fd(),
+                release_r.as_raw_fd(),
+                super::log::fd(),
+            ];
+            keep.extend(inherit.dir);
+            keep.extend(infra::held_fds());
+            keep.extend(inherit.stdio.iter().flatten().map(|fd| fd.as_raw_fd()));
+            // SAFETY: what this process uses from here is `keep`; the rest (the monitor's
+            // runtime, sockets, other containers' pipes) it never touches again before `_exit`.
+            unsafe { super::close_fds_except(&keep) };
             // A helper never outlives its monitor: what it would create then has no pod to
             // answer for it.
             let orphaned = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).is_err()
@@ -365,7 +388,7 @@ pub(super) async fn in_helper(
             // reach the monitor's runtime (tokio catches task panics) and leave a second monitor
             // running on the parent's descriptors.
             let run = || {
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(inherit.stdio)))
                     .unwrap_or_else(|_| Err(Status::internal("the monitor's helper panicked")))
             };
             let helper = nix::unistd::getpid();
@@ -401,7 +424,8 @@ pub(super) async fn in_helper(
         nix::unistd::ForkResult::Parent { child } => {
             drop(w);
             drop(release_r);
-            // What the closure holds (the child's ends of pipes) goes now, not after the wait.
+            // What the child's work holds (its ends of pipes) goes now, not after the wait.
+            drop(inherit);
             drop(f);
             let release = Release(release_w);
             // Teardown kills helpers still at work.
@@ -636,6 +660,27 @@ struct Release(OwnedFd);
 impl Drop for Release {
     fn drop(&mut self) {
         let _ = nix::unistd::write(&self.0, b"x");
+    }
+}
+
+/// In a forked helper, before it closes the monitor's descriptors: every signal the monitor
+/// handles (tokio's SIGCHLD and SIGTERM) back to SIG_DFL. The handlers write a byte to a
+/// pipe of the monitor's runtime; closed in the helper, its number is free for libcontainer's
+/// own sockets, and the SIGCHLD of its intermediate process would write into one (seen: the
+/// exec's init channel broke with ECONNRESET). Ignored signals stay ignored.
+fn drop_signal_handlers() {
+    for sig in 1..=libc::SIGRTMAX() {
+        // SAFETY: a zeroed sigaction is a valid out-parameter; the query installs nothing.
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        // glibc refuses its internal signals (EINVAL): nothing of the monitor's is there.
+        // SAFETY: queries the disposition into `old`.
+        if unsafe { libc::sigaction(sig, std::ptr::null(), &mut old) } == 0
+            && old.sa_sigaction != libc::SIG_DFL
+            && old.sa_sigaction != libc::SIG_IGN
+        {
+            // SAFETY: installs the default disposition, no handler.
+            unsafe { libc::signal(sig, libc::SIG_DFL) };
+        }
     }
 }
 
@@ -898,7 +943,12 @@ impl Svc {
             true => Meanwhile::Block,
             false => Meanwhile::Serve,
         };
-        let made = in_helper(&self.state, meanwhile, move || {
+        let inherit = Inherit {
+            stdio: Some([stdin, out_w, err_w]),
+            dir: console.as_ref().map(ConsoleSocket::dir_fd),
+        };
+        let made = in_helper(&self.state, meanwhile, inherit, move |stdio| {
+            let [stdin, out_w, err_w] = stdio.expect("stdio given");
             // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
             // held until the create returns.
             let _mount_ns = joined_pid::prepare(&bundle_for_helper).map_err(|e| match e {
@@ -1070,7 +1120,11 @@ impl Svc {
         if let Some(c) = self.state.lock().expect("state").containers.get_mut(&id) {
             c.started_at = started_at;
         }
-        let started = in_helper(&self.state, Meanwhile::Serve, move || {
+        let inherit = Inherit {
+            stdio: None,
+            dir: None,
+        };
+        let started = in_helper(&self.state, Meanwhile::Serve, inherit, move |_| {
             let mut c = Container::load(root.join(&cid))
                 .map_err(|e| lc_err(format!("load container {cid}"), e))?;
             c.start()
@@ -1240,9 +1294,13 @@ impl Svc {
         let (out_r, out_w) = pipe()?;
         let (err_r, err_w) = pipe()?;
         let id = req.id.clone();
-        let stdin = devnull()?;
+        let inherit = Inherit {
+            stdio: Some([devnull()?.into(), out_w, err_w]),
+            dir: None,
+        };
         let process = pfile.clone();
-        let built = in_helper(&self.state, Meanwhile::Block, move || {
+        let built = in_helper(&self.state, Meanwhile::Block, inherit, move |stdio| {
+            let [stdin, out_w, err_w] = stdio.expect("stdio given");
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(Workload { seccomp })
                 .with_root_path(root)
@@ -1506,10 +1564,6 @@ pub(crate) async fn serve(
         super::short_socket_path(&sock).map_err(|e| crate::Error::io("open", &sock, e))?;
     let listener =
         tokio::net::UnixListener::bind(&short).map_err(|e| crate::Error::io("bind", &sock, e))?;
-    LISTENER_FD.store(
-        std::os::fd::AsRawFd::as_raw_fd(&listener),
-        std::sync::atomic::Ordering::Relaxed,
-    );
     let mut sigchld =
         signal(SignalKind::child()).map_err(|e| crate::Error::sys("SIGCHLD handler", e))?;
     let mut sigterm =

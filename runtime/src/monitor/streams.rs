@@ -15,7 +15,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncRead;
 
 use super::service::{
-    async_fd, devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Meanwhile, Workload,
+    async_fd, devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Inherit, Meanwhile, Workload,
 };
 use super::wire::{self, stream, Status, STREAM_CHUNK};
 use super::{now_nanos, Phase, Shared};
@@ -436,7 +436,12 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     };
     let id = req.id.clone();
     let process_file = pfile.clone();
-    let built = in_helper(state, Meanwhile::Block, move || {
+    let inherit = Inherit {
+        stdio: Some([child_in, child_out, child_err]),
+        dir: console.as_ref().map(ConsoleSocket::dir_fd),
+    };
+    let built = in_helper(state, Meanwhile::Block, inherit, move |stdio| {
+        let [child_in, child_out, child_err] = stdio.expect("stdio given");
         ContainerBuilder::new(id.clone(), SyscallType::default())
             .with_executor(Workload { seccomp })
             .with_root_path(root)
