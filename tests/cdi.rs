@@ -832,6 +832,32 @@ async fn failing_cdi_hooks_are_named_in_create_and_start_errors() {
 }
 
 /// Pids of processes with `arg` among their arguments (after the program).
+/// Whether `ancestor` is among `pid`'s parents, up the chain of /proc/<pid>/stat.
+fn descends_from(pid: i32, ancestor: i32) -> bool {
+    let mut p = pid;
+    for _ in 0..64 {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            return false;
+        };
+        // The parent is the second field after the command, which is in parentheses.
+        let Some(ppid) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|f| f.parse::<i32>().ok())
+        else {
+            return false;
+        };
+        if ppid == ancestor {
+            return true;
+        }
+        if ppid <= 1 {
+            return false;
+        }
+        p = ppid;
+    }
+    false
+}
+
 fn procs_with_arg(arg: &str) -> Vec<i32> {
     let mut pids = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -949,13 +975,13 @@ fn write_slow_spec(cdi: &Cdi, secs: &str) {
 /// daemon's 60 s deadline for the monitor's create) holds nothing else of the pod up: the
 /// monitor serves the pod meanwhile. The create fails DEADLINE_EXCEEDED, and what the monitor
 /// finishes later leaves nothing in the pod; a pod removed while such a create is still under
-/// way (kubelet gives up on it) leaves nothing either.
+/// way (kubelet gives up on it) leaves nothing either, its hook killed with it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
     let Some(cdi) = Cdi::new() else {
         return;
     };
-    write_slow_spec(&cdi, "67");
+    write_slow_spec(&cdi, "72");
     let Some((_reg, h)) = setup(&cdi).await else {
         return;
     };
@@ -1024,13 +1050,25 @@ async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
             "{e:?}"
         );
     }
-    // Its create still under way in the monitor (the hook has 7 s to go).
+    // Its create still under way in the monitor (the hook has 12 s to go). Its hook is
+    // abandoned with it: killed at once, not at its end.
+    let removed_monitor = monitor_pid(&mut rt, &removed).await.as_raw();
+    let removed_hook = procs_with_arg("72")
+        .into_iter()
+        .find(|&p| descends_from(p, removed_monitor))
+        .expect("the removed pod's hook runs");
     remove_pod(&mut rt, &removed).await;
-    // The hook ends 7 s later, and the monitor's create with it.
+    support::wait_for(
+        "the removed pod's hook to be killed",
+        std::time::Duration::from_secs(4),
+        || support::process_dead(removed_hook),
+    )
+    .await;
+    // The other pod's hook ends later, and the monitor's create with it.
     support::wait_for(
         "the hook to end",
         std::time::Duration::from_secs(30),
-        || procs_with_arg("67").is_empty(),
+        || procs_with_arg("72").is_empty(),
     )
     .await;
     support::wait_for(
@@ -1047,9 +1085,10 @@ async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
 }
 
 /// A daemon that dies while a create is under way in a monitor (a createRuntime hook of 12 s):
-/// the restarted daemon finds the create listed as under way and keeps its files (removed at
-/// the next start), and when the monitor finishes it, the answer finds no caller and the
-/// container is deleted, not left running in the pod, unlisted.
+/// the restarted daemon finds the create listed as under way and keeps its files (and only
+/// its: another create's leftovers go at that start), and when the monitor finishes it, the
+/// answer finds no caller and the container is deleted, not left running in the pod,
+/// unlisted; the daemon then releases its files without waiting for another start.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
     let Some(cdi) = Cdi::new() else {

@@ -1377,7 +1377,8 @@ pub fn hooks_of(bundle: &Path, hook: &str) -> Vec<HookOrigin> {
 /// the OCI runtime in its place, so that a failure says which hook it was. The container state
 /// arrives on stdin and is passed on; the hook's stderr is passed through and its start kept.
 /// The hook runs in its own process group, which is SIGKILLed when the hook exits (background
-/// children it left) or at its timeout (all of it, recorded as "timed out"). While it runs,
+/// children it left), at its timeout (all of it, recorded as "timed out") or when the process
+/// that runs this wrapper dies (the pod torn down during a create). While it runs,
 /// and when it fails, `<bundle>/cdi-hook.json` says so (a wrapper killed from outside leaves
 /// the "did not finish" record). Returns the hook's exit status (124 when it timed out).
 pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
@@ -1490,19 +1491,41 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
         {}
         let _ = exited_tx.send(());
     });
-    let timed_out = match timeout {
-        Some(t) => matches!(
-            exited_rx.recv_timeout(std::time::Duration::from_secs(t)),
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
-        ),
-        None => {
-            let _ = exited_rx.recv();
-            false
+    // Waited for in steps: the runtime that runs this wrapper (the monitor's helper) may be
+    // killed meanwhile (its pod torn down), which reparents this process; the hook is then
+    // abandoned and goes with its group at once, not at its own end or timeout.
+    let parent = nix::unistd::getppid();
+    let deadline = timeout.map(|t| std::time::Instant::now() + std::time::Duration::from_secs(t));
+    let mut abandoned = false;
+    let timed_out = loop {
+        let step = std::time::Duration::from_millis(100);
+        let step = deadline.map_or(step, |d| {
+            step.min(d.saturating_duration_since(std::time::Instant::now()))
+        });
+        match exited_rx.recv_timeout(step) {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            _ => break false,
+        }
+        if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+            break true;
+        }
+        if nix::unistd::getppid() != parent {
+            abandoned = true;
+            break false;
         }
     };
-    // Whatever is left of its group goes: background children it left, or, at its timeout,
-    // the hook and all it started. A child that made its own session escapes this.
+    // Whatever is left of its group goes: background children it left, or, at its timeout or
+    // when abandoned, the hook and all it started. A child that made its own session escapes
+    // this.
     let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+    if abandoned {
+        let _ = child.wait();
+        record(
+            "abandoned: the runtime running it is gone".into(),
+            String::new(),
+        );
+        return 1;
+    }
     let status = match child.wait() {
         Ok(s) => s,
         Err(e) => {
