@@ -96,7 +96,7 @@ impl Daemon {
             network.clone(),
             cdi.clone(),
         );
-        runtime.reconcile().await?;
+        let unfinished = runtime.reconcile().await?;
         let lost = runtime.lost_monitors();
         let daemon = Arc::new(Daemon {
             config,
@@ -106,6 +106,12 @@ impl Daemon {
             cdi,
             streaming: std::sync::OnceLock::new(),
         });
+        if !unfinished.is_empty() {
+            tokio::spawn(release_unfinished_creates(
+                Arc::downgrade(&daemon),
+                unfinished,
+            ));
+        }
         if let Some(lost) = lost {
             tokio::spawn(release_lost_monitors(Arc::downgrade(&daemon), lost));
         }
@@ -227,6 +233,21 @@ async fn release_lost_monitors(
         if let Err(e) = d.runtime.release_lost_monitor(&pod).await {
             tracing::error!(pod = %pod, error = %crate::error::chain(&e), "releasing a pod whose monitor is gone");
         }
+    }
+}
+
+/// Asks every 2 s after the creates an earlier daemon left under way, releasing the files of
+/// those that ended, until none is left (or the daemon is gone).
+async fn release_unfinished_creates(
+    daemon: std::sync::Weak<Daemon>,
+    mut pending: crate::pods::UnfinishedCreates,
+) {
+    while !pending.is_empty() {
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        let Some(d) = daemon.upgrade() else {
+            return;
+        };
+        pending = d.runtime.release_finished_creates(pending).await;
     }
 }
 

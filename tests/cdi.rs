@@ -1119,12 +1119,28 @@ async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
     .await;
     h.kill9();
     assert!(call.await.unwrap().is_err());
+    // Another create's leftovers, cut short before its monitor was asked: no record owns them.
+    let bundles = h.state.join("containers");
+    let leftover = bundles.join("0".repeat(64));
+    std::fs::create_dir_all(&leftover).unwrap();
     h.restart();
     assert!(
         h.log_text()
-            .contains("creates under way in a pod monitor: files no record owns are kept"),
+            .contains("creates under way in a pod monitor: their files are kept until they end"),
         "{}",
         h.log_text()
+    );
+    assert!(
+        !leftover.exists(),
+        "only the create under way keeps its files"
+    );
+    assert_eq!(
+        support::hako::Hako::files_under(&bundles)
+            .iter()
+            .filter(|f| !f.contains('/'))
+            .count(),
+        1,
+        "the create under way keeps its bundle"
     );
     assert!(
         started.elapsed() < std::time::Duration::from_secs(12),
@@ -1145,6 +1161,16 @@ async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
     .await;
     let listed = all_containers(&mut rt).await;
     assert!(listed.is_empty(), "{listed:?}");
+    // Deleted by its monitor, its files go too, without another start.
+    support::wait_for(
+        "the ended create's files to be released",
+        std::time::Duration::from_secs(10),
+        || support::hako::Hako::files_under(&bundles).is_empty(),
+    )
+    .await;
+    assert!(h
+        .log_text()
+        .contains("released the files of a create the last daemon left under way"));
     let monitor_log = h.state.join("pods").join(&pod).join("monitor.log");
     assert!(std::fs::read_to_string(&monitor_log)
         .unwrap()
@@ -1162,10 +1188,5 @@ async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
         .await
         .unwrap();
     remove_pod(&mut rt, &pod).await;
-    // The deleted create's bundle (kept while it was under way) goes at the next start.
-    let bundles = support::hako::Hako::files_under(&h.state.join("containers"));
-    assert!(!bundles.is_empty(), "the create's bundle was kept");
-    h.stop();
-    h.restart();
     assert_no_leaks(&h, &pod);
 }

@@ -54,6 +54,7 @@ use crate::image::Images;
 use crate::network::Network;
 use crate::store::{Store, Table};
 use monitor_client::MonitorClient;
+pub use recovery::UnfinishedCreates;
 pub use stats::{NetCounters, PodStats, Usage, MAX_INTERFACES};
 pub use types::*;
 

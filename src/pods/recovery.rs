@@ -27,6 +27,17 @@ use crate::store::{Store, Table};
 use futures::StreamExt;
 use hako_proto::monitor as pb;
 
+/// Creates an earlier daemon left under way in their pods' monitors, found at start: pod id
+/// and container ids. Their files and layer pins are kept until they end.
+#[derive(Debug, Default)]
+pub struct UnfinishedCreates(Vec<(String, Vec<String>)>);
+
+impl UnfinishedCreates {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 /// At start, before anything collects what no record owns: rebuilds from the pods' monitors
 /// the records the store lost. A monitor under `<state>/pods/<id>` that answers for pod `<id>`
 /// with a kept record gets its pod record back (its pid and namespaces as the monitor reports
@@ -267,7 +278,7 @@ impl Runtime {
     /// an overlay mount, directories, a name reservation, an image pin), so kubelet's retry
     /// under the same name succeeds instead of finding the name reserved by an object nobody
     /// can list or remove. Each release is logged.
-    pub async fn reconcile(&self) -> Result<()> {
+    pub async fn reconcile(&self) -> Result<UnfinishedCreates> {
         let pods: HashMap<String, Arc<PodRecord>> = self
             .pods()?
             .into_iter()
@@ -296,6 +307,7 @@ impl Runtime {
         // Set when a monitor may hold a container no record names (it did not answer, or
         // did not delete one): container files no record owns are then left for a later start.
         let mut unsure = false;
+        let mut under_way = UnfinishedCreates::default();
         for (pod, info) in ready.into_iter().zip(infos) {
             let monitor = self.monitor(pod);
             let info = match info {
@@ -319,9 +331,10 @@ impl Runtime {
             }
             if !info.creating.is_empty() {
                 // A create the last daemon left under way: its bundle and layer pins are in
-                // use (the monitor deletes it when its answer finds no caller).
-                tracing::warn!(pod = %pod.id, containers = ?info.creating, "creates under way in a pod monitor: files no record owns are kept until a later start");
-                unsure = true;
+                // use (the monitor deletes it when its answer finds no caller), and released
+                // once it has ended (`release_finished_creates`).
+                tracing::warn!(pod = %pod.id, containers = ?info.creating, "creates under way in a pod monitor: their files are kept until they end");
+                under_way.0.push((pod.id.clone(), info.creating.clone()));
             }
             for c in &info.containers {
                 match records.get(&c.id) {
@@ -351,9 +364,77 @@ impl Runtime {
                 self.watch(&pod);
             }
         }
-        self.release_orphans(&pods, &containers, unsure).await?;
+        let keep: HashSet<String> = under_way
+            .0
+            .iter()
+            .flat_map(|(_, ids)| ids.clone())
+            .collect();
+        self.release_orphans(&pods, &containers, &keep, unsure)
+            .await?;
         self.network_gc().await;
-        Ok(())
+        Ok(under_way)
+    }
+
+    /// Releases the files and layer pins of the creates the last daemon left under way
+    /// ([`Runtime::reconcile`]) that have ended since: deleted by their monitor (their answer
+    /// found no caller), or with their monitor gone. A create its monitor finished but still
+    /// holds is deleted first, as at start. What is still under way is returned, to be asked
+    /// again later.
+    pub async fn release_finished_creates(&self, pending: UnfinishedCreates) -> UnfinishedCreates {
+        let mut left = UnfinishedCreates::default();
+        for (pod, ids) in pending.0 {
+            let monitor = MonitorClient::new(self.pod_dir(&pod).join("monitor.sock"));
+            let ended: Vec<String> = match monitor.states().await {
+                Ok(info) => {
+                    let mut ended = Vec::new();
+                    for id in &ids {
+                        if info.creating.contains(id) {
+                            continue;
+                        }
+                        if info.containers.iter().any(|c| &c.id == id) {
+                            if let Err(e) = monitor.delete(id, true).await {
+                                tracing::warn!(pod = %pod, container = %id, error = %chain(&e), "could not delete a container whose create did not finish: asked again later");
+                                continue;
+                            }
+                        }
+                        ended.push(id.clone());
+                    }
+                    ended
+                }
+                // Gone: nothing of the pod runs any more.
+                Err(_) if !monitor.listening() => ids.clone(),
+                Err(_) => Vec::new(),
+            };
+            for id in &ended {
+                // Ids are new for every create: no record can have taken this one since, but
+                // a record's files are never released here.
+                if self
+                    .store
+                    .get::<ContainerRecord>(Table::Containers, id)
+                    .ok()
+                    .flatten()
+                    .is_some()
+                {
+                    continue;
+                }
+                match self.remove_container_files(id) {
+                    Ok(()) => {
+                        tracing::info!(pod = %pod, container = %id, "released the files of a create the last daemon left under way");
+                        if let Err(e) = self.store.unpin(id) {
+                            tracing::error!(container = %id, error = %chain(&e), "could not release the layers of a create that did not finish: released at the next start");
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(container = %id, error = %chain(&e), "could not remove the files of a create that did not finish: left in place until the next start");
+                    }
+                }
+            }
+            let still: Vec<String> = ids.into_iter().filter(|id| !ended.contains(id)).collect();
+            if !still.is_empty() {
+                left.0.push((pod, still));
+            }
+        }
+        left
     }
 
     /// Gives a pod's monitor a copy of a record (see `adopt_lost_records`). A failure is
@@ -394,6 +475,7 @@ impl Runtime {
         &self,
         pods: &HashMap<String, Arc<PodRecord>>,
         containers: &HashSet<String>,
+        under_way: &HashSet<String>,
         mut unsure: bool,
     ) -> Result<()> {
         for id in dir_names(&self.state_dir.join("pods")) {
@@ -433,7 +515,10 @@ impl Runtime {
                     .into_iter()
                     .chain(dir_names(&self.root_dir.join("containers")))
                     .collect();
-            for id in dirs.into_iter().filter(|id| !containers.contains(id)) {
+            for id in dirs
+                .into_iter()
+                .filter(|id| !containers.contains(id) && !under_way.contains(id))
+            {
                 tracing::warn!(container = %id, "removing the files of a container whose create did not finish");
                 // One container's files that cannot go must not keep the node's runtime
                 // down: they stay, said once per start, and the next start tries again.
@@ -455,7 +540,7 @@ impl Runtime {
         // Layers stay pinned for a container that may still be in a monitor (its overlay is
         // mounted on them) until a start finds out.
         for owner in self.store.pin_owners()? {
-            if !containers.contains(&owner) && !unsure {
+            if !containers.contains(&owner) && !under_way.contains(&owner) && !unsure {
                 self.store.unpin(&owner)?;
             }
         }
