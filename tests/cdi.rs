@@ -1064,6 +1064,10 @@ async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
         || support::process_dead(removed_hook),
     )
     .await;
+    assert!(
+        !procs_with_arg("72").is_empty(),
+        "the other pod's hook runs on: the removed one's was killed, not ended"
+    );
     // The other pod's hook ends later, and the monitor's create with it.
     support::wait_for(
         "the hook to end",
