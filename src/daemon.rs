@@ -236,14 +236,17 @@ async fn release_lost_monitors(
     }
 }
 
-/// Asks every 2 s after the creates an earlier daemon left under way, releasing the files of
-/// those that ended, until none is left (or the daemon is gone).
+/// Asks after the creates an earlier daemon left under way, releasing the files of those that
+/// ended, until none is left (or the daemon is gone): after 2 s, then less and less often (a
+/// hook without a timeout may run for ever), every 30 s at the least.
 async fn release_unfinished_creates(
     daemon: std::sync::Weak<Daemon>,
     mut pending: crate::pods::UnfinishedCreates,
 ) {
+    let mut wait = std::time::Duration::from_secs(2);
     while !pending.is_empty() {
-        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        tokio::time::sleep(wait).await;
+        wait = (wait * 3 / 2).min(std::time::Duration::from_secs(30));
         let Some(d) = daemon.upgrade() else {
             return;
         };

@@ -831,7 +831,6 @@ async fn failing_cdi_hooks_are_named_in_create_and_start_errors() {
     assert_no_leaks(&h, &pod);
 }
 
-/// Pids of processes with `arg` among their arguments (after the program).
 /// Whether `ancestor` is among `pid`'s parents, up the chain of /proc/<pid>/stat.
 fn descends_from(pid: i32, ancestor: i32) -> bool {
     let mut p = pid;
@@ -858,6 +857,7 @@ fn descends_from(pid: i32, ancestor: i32) -> bool {
     false
 }
 
+/// Pids of processes with `arg` among their arguments (after the program).
 fn procs_with_arg(arg: &str) -> Vec<i32> {
     let mut pids = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -1166,10 +1166,14 @@ async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
     let listed = all_containers(&mut rt).await;
     assert!(listed.is_empty(), "{listed:?}");
     // Deleted by its monitor, its files go too, without another start.
+    let layers = h.root.join("containers");
     support::wait_for(
         "the ended create's files to be released",
-        std::time::Duration::from_secs(10),
-        || support::hako::Hako::files_under(&bundles).is_empty(),
+        std::time::Duration::from_secs(30),
+        || {
+            support::hako::Hako::files_under(&bundles).is_empty()
+                && support::hako::Hako::files_under(&layers).is_empty()
+        },
     )
     .await;
     assert!(h
@@ -1191,6 +1195,59 @@ async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
     rt.start_container(cri::StartContainerRequest { container_id: id })
         .await
         .unwrap();
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// A create a crashed daemon left under way whose pod monitor then dies too (its helper with
+/// it): what the create made is killed through its cgroup before its files are released.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_create_left_under_way_whose_monitor_dies_leaves_nothing_running() {
+    let Some(cdi) = Cdi::new() else {
+        return;
+    };
+    write_slow_spec(&cdi, "13.75");
+    let Some((_reg, mut h)) = setup(&cdi).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("cdi-orphaned-monitor", &logs.path().join("p"));
+    let pod = run_pod(&mut rt, &cfg).await;
+    let slow = with_cdi(
+        container_config("slow", &["sleep", "60"]),
+        &["hako.test/slow=create"],
+    );
+    let call = {
+        let (mut rt, pod, cfg) = (rt.clone(), pod.clone(), cfg.clone());
+        tokio::spawn(async move { create(&mut rt, &pod, &cfg, slow).await })
+    };
+    support::wait_for(
+        "the hook to run",
+        std::time::Duration::from_secs(10),
+        || !procs_with_arg("13.75").is_empty(),
+    )
+    .await;
+    let monitor = monitor_pid(&mut rt, &pod).await;
+    h.kill9();
+    assert!(call.await.unwrap().is_err());
+    h.restart();
+    assert!(
+        !container_cgroups(&pod).is_empty(),
+        "the create made its cgroups"
+    );
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGKILL).unwrap();
+    let bundles = h.state.join("containers");
+    support::wait_for(
+        "the create's processes and files to go",
+        std::time::Duration::from_secs(30),
+        || {
+            container_cgroups(&pod).is_empty()
+                && support::hako::Hako::files_under(&bundles).is_empty()
+        },
+    )
+    .await;
+    let mut rt = h.runtime().await;
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

@@ -1398,6 +1398,9 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
         }
         _ => (None, args),
     };
+    // Who runs this wrapper, taken first: if it dies before the hook even starts, the hook is
+    // still found abandoned below.
+    let parent = nix::unistd::getppid();
     let s = |i: usize| args.get(i).map(|a| a.to_string_lossy().into_owned());
     let (Some(hook), Some(device), Some(spec), Some(path)) = (s(0), s(1), s(2), s(3)) else {
         eprintln!("{USAGE}");
@@ -1494,7 +1497,6 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
     // Waited for in steps: the runtime that runs this wrapper (the monitor's helper) may be
     // killed meanwhile (its pod torn down), which reparents this process; the hook is then
     // abandoned and goes with its group at once, not at its own end or timeout.
-    let parent = nix::unistd::getppid();
     let deadline = timeout.map(|t| std::time::Instant::now() + std::time::Duration::from_secs(t));
     let mut abandoned = false;
     let timed_out = loop {
@@ -1519,11 +1521,8 @@ pub fn hook_main(args: &[std::ffi::OsString]) -> i32 {
     // this.
     let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
     if abandoned {
+        // No record: nobody waits for one, and the bundle may be being removed.
         let _ = child.wait();
-        record(
-            "abandoned: the runtime running it is gone".into(),
-            String::new(),
-        );
         return 1;
     }
     let status = match child.wait() {

@@ -384,43 +384,50 @@ impl Runtime {
         let mut left = UnfinishedCreates::default();
         for (pod, ids) in pending.0 {
             let monitor = MonitorClient::new(self.pod_dir(&pod).join("monitor.sock"));
-            let ended: Vec<String> = match monitor.states().await {
-                Ok(info) => {
-                    let mut ended = Vec::new();
-                    for id in &ids {
-                        if info.creating.contains(id) {
-                            continue;
-                        }
-                        if info.containers.iter().any(|c| &c.id == id) {
-                            if let Err(e) = monitor.delete(id, true).await {
+            let info = monitor.states().await;
+            let gone = info.is_err() && !monitor.listening();
+            let mut still = Vec::new();
+            for id in ids {
+                // Ids are new for every create: no record can have taken this one since. A
+                // record's files are never released here, nor any while the store cannot say.
+                match self.store.get::<ContainerRecord>(Table::Containers, &id) {
+                    Ok(None) => {}
+                    Ok(Some(_)) => continue,
+                    Err(e) => {
+                        tracing::warn!(container = %id, error = %chain(&e), "the store could not be read for a create that did not finish: asked again later");
+                        still.push(id);
+                        continue;
+                    }
+                }
+                let ended = match &info {
+                    Ok(info) if info.creating.contains(&id) => false,
+                    Ok(info) if info.containers.iter().any(|c| c.id == id) => {
+                        match monitor.delete(&id, true).await {
+                            Ok(()) => true,
+                            Err(e) => {
                                 tracing::warn!(pod = %pod, container = %id, error = %chain(&e), "could not delete a container whose create did not finish: asked again later");
-                                continue;
+                                false
                             }
                         }
-                        ended.push(id.clone());
                     }
-                    ended
-                }
-                // Gone: nothing of the pod runs any more.
-                Err(_) if !monitor.listening() => ids.clone(),
-                Err(_) => Vec::new(),
-            };
-            for id in &ended {
-                // Ids are new for every create: no record can have taken this one since, but
-                // a record's files are never released here.
-                if self
-                    .store
-                    .get::<ContainerRecord>(Table::Containers, id)
-                    .ok()
-                    .flatten()
-                    .is_some()
-                {
+                    Ok(_) => true,
+                    // Gone: its monitor no longer holds or makes anything.
+                    Err(_) => gone,
+                };
+                if !ended {
+                    still.push(id);
                     continue;
                 }
-                match self.remove_container_files(id) {
+                // What the create made may outlive it (an init cloned before its helper died,
+                // or one in a PID namespace of its own whose monitor is gone): it must not run
+                // on over the files released below.
+                if let Some(cgroups_path) = self.bundle_cgroups_path(&id) {
+                    super::container::clear_cgroup(&cgroups_path).await;
+                }
+                match self.remove_container_files(&id) {
                     Ok(()) => {
                         tracing::info!(pod = %pod, container = %id, "released the files of a create the last daemon left under way");
-                        if let Err(e) = self.store.unpin(id) {
+                        if let Err(e) = self.store.unpin(&id) {
                             tracing::error!(container = %id, error = %chain(&e), "could not release the layers of a create that did not finish: released at the next start");
                         }
                     }
@@ -429,12 +436,21 @@ impl Runtime {
                     }
                 }
             }
-            let still: Vec<String> = ids.into_iter().filter(|id| !ended.contains(id)).collect();
             if !still.is_empty() {
                 left.0.push((pod, still));
             }
         }
         left
+    }
+
+    /// The cgroups path in a container's bundle spec (hako's own file), if it is there.
+    fn bundle_cgroups_path(&self, id: &str) -> Option<String> {
+        let config = std::fs::read(self.bundle_dir(id).join("config.json")).ok()?;
+        let spec: serde_json::Value = serde_json::from_slice(&config).ok()?;
+        spec.pointer("/linux/cgroupsPath")?
+            .as_str()
+            .filter(|p| !p.is_empty())
+            .map(str::to_string)
     }
 
     /// Gives a pod's monitor a copy of a record (see `adopt_lost_records`). A failure is
@@ -520,6 +536,11 @@ impl Runtime {
                 .filter(|id| !containers.contains(id) && !under_way.contains(id))
             {
                 tracing::warn!(container = %id, "removing the files of a container whose create did not finish");
+                // What its create made may have outlived its monitor (an init in a PID
+                // namespace of its own): it must not run on over the files removed here.
+                if let Some(cgroups_path) = self.bundle_cgroups_path(&id) {
+                    super::container::clear_cgroup(&cgroups_path).await;
+                }
                 // One container's files that cannot go must not keep the node's runtime
                 // down: they stay, said once per start, and the next start tries again.
                 if let Err(e) = self.remove_container_files(&id) {
