@@ -1088,23 +1088,27 @@ async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
     assert_no_leaks(&h, &removed);
 }
 
-/// A daemon that dies while a create is under way in a monitor (a createRuntime hook of 12 s):
-/// the restarted daemon finds the create listed as under way and keeps its files (and only
-/// its: another create's leftovers go at that start), and when the monitor finishes it, the
-/// answer finds no caller and the container is deleted, not left running in the pod,
-/// unlisted; the daemon then releases its files without waiting for another start.
-#[tokio::test(flavor = "multi_thread")]
-async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
-    let Some(cdi) = Cdi::new() else {
-        return;
-    };
-    write_slow_spec(&cdi, "12.25");
-    let Some((_reg, mut h)) = setup(&cdi).await else {
-        return;
-    };
+/// A pod with a create under way in its monitor: a `slow` container whose createRuntime hook
+/// sleeps `secs` (named by that argument), its CreateContainer call spawned, returned once the
+/// hook runs.
+struct SlowCreate {
+    _reg: Registry,
+    h: Hako,
+    rt: Rt,
+    cfg: cri::PodSandboxConfig,
+    pod: String,
+    call: tokio::task::JoinHandle<Result<String, tonic::Status>>,
+    /// When the CreateContainer call was made.
+    started: std::time::Instant,
+    _logs: tempfile::TempDir,
+}
+
+async fn slow_create(cdi: &Cdi, secs: &str, pod_name: &str) -> Option<SlowCreate> {
+    write_slow_spec(cdi, secs);
+    let (reg, h) = setup(cdi).await?;
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;
-    let cfg = pod_config("cdi-orphaned-create", &logs.path().join("p"));
+    let cfg = pod_config(pod_name, &logs.path().join("p"));
     let pod = run_pod(&mut rt, &cfg).await;
     let slow = with_cdi(
         container_config("slow", &["sleep", "60"]),
@@ -1118,9 +1122,44 @@ async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
     support::wait_for(
         "the hook to run",
         std::time::Duration::from_secs(10),
-        || !procs_with_arg("12.25").is_empty(),
+        || !procs_with_arg(secs).is_empty(),
     )
     .await;
+    Some(SlowCreate {
+        _reg: reg,
+        h,
+        rt,
+        cfg,
+        pod,
+        call,
+        started,
+        _logs: logs,
+    })
+}
+
+/// A daemon that dies while a create is under way in a monitor (a createRuntime hook of 12 s):
+/// the restarted daemon finds the create listed as under way and keeps its files (and only
+/// its: another create's leftovers go at that start), and when the monitor finishes it, the
+/// answer finds no caller and the container is deleted, not left running in the pod,
+/// unlisted; the daemon then releases its files without waiting for another start.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_create_whose_daemon_died_is_not_left_in_the_pod() {
+    let Some(cdi) = Cdi::new() else {
+        return;
+    };
+    let Some(SlowCreate {
+        _reg,
+        mut h,
+        rt: _,
+        cfg,
+        pod,
+        call,
+        started,
+        _logs,
+    }) = slow_create(&cdi, "12.25", "cdi-orphaned-create").await
+    else {
+        return;
+    };
     h.kill9();
     assert!(call.await.unwrap().is_err());
     // Another create's leftovers, cut short before its monitor was asked: no record owns them.
@@ -1206,28 +1245,19 @@ async fn a_create_left_under_way_whose_monitor_dies_leaves_nothing_running() {
     let Some(cdi) = Cdi::new() else {
         return;
     };
-    write_slow_spec(&cdi, "13.75");
-    let Some((_reg, mut h)) = setup(&cdi).await else {
+    let Some(SlowCreate {
+        _reg,
+        mut h,
+        mut rt,
+        cfg: _,
+        pod,
+        call,
+        started: _,
+        _logs,
+    }) = slow_create(&cdi, "13.75", "cdi-orphaned-monitor").await
+    else {
         return;
     };
-    let logs = tempfile::tempdir().unwrap();
-    let mut rt = h.runtime().await;
-    let cfg = pod_config("cdi-orphaned-monitor", &logs.path().join("p"));
-    let pod = run_pod(&mut rt, &cfg).await;
-    let slow = with_cdi(
-        container_config("slow", &["sleep", "60"]),
-        &["hako.test/slow=create"],
-    );
-    let call = {
-        let (mut rt, pod, cfg) = (rt.clone(), pod.clone(), cfg.clone());
-        tokio::spawn(async move { create(&mut rt, &pod, &cfg, slow).await })
-    };
-    support::wait_for(
-        "the hook to run",
-        std::time::Duration::from_secs(10),
-        || !procs_with_arg("13.75").is_empty(),
-    )
-    .await;
     let monitor = monitor_pid(&mut rt, &pod).await;
     h.kill9();
     assert!(call.await.unwrap().is_err());
