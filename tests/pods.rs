@@ -39,16 +39,7 @@ async fn pod_and_container_lifecycle() {
         "hello",
         &["sh", "-c", "echo hello; echo err >&2; hostname; id -u"],
     );
-    let cid = rt
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: pod.clone(),
-            config: Some(cc),
-            sandbox_config: Some(cfg.clone()),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .container_id;
+    let cid = create_container(&mut rt, &pod, &cfg, cc).await;
     let st = status(&mut rt, &cid).await;
     assert_eq!(st.state, cri::ContainerState::ContainerCreated as i32);
     rt.start_container(cri::StartContainerRequest {
@@ -995,16 +986,7 @@ async fn a_container_that_cannot_start_reports_start_error() {
     let mut rt = h.runtime().await;
     let cfg = pod_config("unstartable", logs.path());
     let pod = run_pod(&mut rt, &cfg).await;
-    let id = rt
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: pod.clone(),
-            config: Some(container_config("c", &["sleep", "60"])),
-            sandbox_config: Some(cfg.clone()),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .container_id;
+    let id = create_container(&mut rt, &pod, &cfg, container_config("c", &["sleep", "60"])).await;
     // Its init process, waiting to be started, dies first (as an OOM kill or an operator would
     // make it): the start cannot happen. Which of two answers comes depends on whether the
     // monitor's exit report reaches the daemon before the start does; both are checked. The
@@ -1529,16 +1511,7 @@ async fn runtime_errors_stay_out_of_the_containers_log() {
         readonly: true,
         ..Default::default()
     });
-    let id = rt
-        .create_container(cri::CreateContainerRequest {
-            pod_sandbox_id: pod.clone(),
-            config: Some(c),
-            sandbox_config: Some(cfg.clone()),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .container_id;
+    let id = create_container(&mut rt, &pod, &cfg, c).await;
     // The exec fails in init after start has returned: start succeeds and the container
     // exits at once with a failure code (what kubelet then sees is a crash, with the cause in
     // monitor.log).
