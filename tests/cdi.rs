@@ -1088,6 +1088,93 @@ async fn a_slow_create_holds_up_nothing_and_leaves_nothing_when_given_up() {
     assert_no_leaks(&h, &removed);
 }
 
+/// A container joining another's PID namespace (TARGET, as `kubectl debug --target` asks)
+/// whose create is slow (a createRuntime hook of 14.5 s) holds the pod up no more than any
+/// other create: the monitor serves meanwhile (the create joins the target's namespace
+/// through a descriptor the monitor opened when it checked the target's pid, so the reaper
+/// need not stop), and the container ends up in the target's PID namespace.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_create_joining_a_pid_target_holds_up_nothing() {
+    let Some(cdi) = Cdi::new() else {
+        return;
+    };
+    write_slow_spec(&cdi, "14.5");
+    let Some((_reg, h)) = setup(&cdi).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("cdi-slow-target", &logs.path().join("p"));
+    let pod = run_pod(&mut rt, &cfg).await;
+    let target = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("target", &["sleep", "61"]),
+    )
+    .await;
+    let mut debug = with_cdi(
+        container_config("debug", &["sleep", "60"]),
+        &["hako.test/slow=create"],
+    );
+    debug.linux = Some(cri::LinuxContainerConfig {
+        security_context: Some(cri::LinuxContainerSecurityContext {
+            namespace_options: Some(cri::NamespaceOption {
+                pid: cri::NamespaceMode::Target as i32,
+                target_id: target.clone(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let call = {
+        let (mut rt, pod, cfg) = (rt.clone(), pod.clone(), cfg.clone());
+        tokio::spawn(async move { create(&mut rt, &pod, &cfg, debug).await })
+    };
+    support::wait_for(
+        "the hook to run",
+        std::time::Duration::from_secs(10),
+        || !procs_with_arg("14.5").is_empty(),
+    )
+    .await;
+    // Past the daemon's 6.5 s wait for a monitor's answer: the pod is Ready, and an exec in
+    // the target (whose end the monitor's reaper reports) is served.
+    tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+    assert_eq!(
+        pod_state(&mut rt, &pod).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    assert_eq!(exec(&mut rt, &target, "echo served").await, "served");
+    assert!(
+        !procs_with_arg("14.5").is_empty(),
+        "the hook still runs: the calls above were served during the create"
+    );
+    assert!(
+        !h.log_text().contains("pod monitor did not answer"),
+        "{}",
+        h.log_text()
+    );
+    let debug_id = call.await.unwrap().unwrap();
+    rt.start_container(cri::StartContainerRequest {
+        container_id: debug_id.clone(),
+    })
+    .await
+    .unwrap();
+    let procs = exec(
+        &mut rt,
+        &debug_id,
+        "cat /proc/[0-9]*/cmdline | tr '\\0' ' '",
+    )
+    .await;
+    assert!(
+        procs.contains("sleep 61"),
+        "the target's processes are visible: {procs}"
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
 /// A pod with a create under way in its monitor: a `slow` container whose createRuntime hook
 /// sleeps `secs` (named by that argument), its CreateContainer call spawned, returned once the
 /// hook runs.

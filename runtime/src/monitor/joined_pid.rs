@@ -18,7 +18,7 @@
 //! runtime's namespaces keep the host's /proc.
 
 use std::io::{BufRead, Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 
 use nix::fcntl::{open, OFlag};
@@ -34,7 +34,7 @@ use crate::error::{Error, Result};
 pub(super) struct MountNs {
     /// Held so the namespace outlives the process that made it; the spec names it through
     /// this process's fd table.
-    _ns: OwnedFd,
+    _ns: Option<OwnedFd>,
     config: PathBuf,
     original: Vec<u8>,
 }
@@ -48,9 +48,11 @@ impl Drop for MountNs {
 }
 
 /// When the bundle's spec joins a PID namespace by path and would unshare a mount namespace,
-/// prepares that mount namespace and names it in the spec. Runs in the throwaway helper that
-/// then calls libcontainer; keep the result alive until libcontainer's create returns.
-pub(super) fn prepare(bundle: &Path) -> Result<Option<MountNs>> {
+/// prepares that mount namespace and names it in the spec; `target_ns`, a descriptor of this
+/// process, is named as the PID namespace instead of the spec's path (a PID target's, opened
+/// by the monitor while its pid was known to be the target's). Runs in the throwaway helper
+/// that then calls libcontainer; keep the result alive until libcontainer's create returns.
+pub(super) fn prepare(bundle: &Path, target_ns: Option<RawFd>) -> Result<Option<MountNs>> {
     let config = bundle.join("config.json");
     let original = std::fs::read(&config).map_err(|e| Error::io("read", &config, e))?;
     let mut spec: serde_json::Value = serde_json::from_slice(&original)
@@ -61,27 +63,32 @@ pub(super) fn prepare(bundle: &Path) -> Result<Option<MountNs>> {
     else {
         return Ok(None);
     };
+    // Named through this process's pid, not `self`: the process that opens a path may be
+    // another (libcontainer's intermediate process, the init).
+    let own_fd = |fd: RawFd| serde_json::json!(format!("/proc/{}/fd/{fd}", std::process::id()));
     let of_type = |n: &serde_json::Value, t: &str| n["type"].as_str() == Some(t);
-    let Some(pid_ns) = namespaces
-        .iter()
-        .find(|n| of_type(n, "pid"))
-        .and_then(|n| n["path"].as_str())
-        .map(str::to_string)
+    let Some(pid_entry) = namespaces
+        .iter_mut()
+        .find(|n| of_type(n, "pid") && n.get("path").is_some())
     else {
         return Ok(None);
     };
-    let Some(mnt) = namespaces
+    if let Some(fd) = target_ns {
+        pid_entry["path"] = own_fd(fd);
+    }
+    let pid_ns = pid_entry["path"].as_str().unwrap_or_default().to_string();
+    let ns = match namespaces
         .iter_mut()
         .find(|n| of_type(n, "mount") && n.get("path").is_none())
-    else {
-        return Ok(None);
+    {
+        Some(mnt) => {
+            let ns = mount_ns_with_proc_of(&pid_ns)?;
+            mnt["path"] = own_fd(ns.as_raw_fd());
+            Some(ns)
+        }
+        None if target_ns.is_some() => None,
+        None => return Ok(None),
     };
-    let ns = mount_ns_with_proc_of(&pid_ns)?;
-    mnt["path"] = serde_json::json!(format!(
-        "/proc/{}/fd/{}",
-        std::process::id(),
-        ns.as_raw_fd()
-    ));
     let edited = serde_json::to_vec(&spec).expect("a parsed spec serializes");
     replace(&config, &edited).map_err(|e| Error::io("write", &config, e))?;
     Ok(Some(MountNs {

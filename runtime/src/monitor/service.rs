@@ -330,9 +330,9 @@ impl ConsoleSocket {
 pub(super) struct Inherit {
     /// The new process's stdin, stdout and stderr (none for a start).
     pub(super) stdio: Option<[OwnedFd; 3]>,
-    /// A directory a path given to the work names through `/proc/self/fd/<n>/` (a console
-    /// socket's, see `short_socket_path`).
-    pub(super) dir: Option<std::os::fd::RawFd>,
+    /// Descriptors a path given to the work names through `/proc/<pid>/fd/<n>` (a console
+    /// socket's directory, see `short_socket_path`; a PID target's namespace).
+    pub(super) named: Vec<std::os::fd::RawFd>,
 }
 
 /// Runs a libcontainer create, start or exec in a forked helper and returns the new process's
@@ -374,7 +374,7 @@ pub(super) async fn in_helper(
                 release_r.as_raw_fd(),
                 super::log::fd(),
             ];
-            keep.extend(inherit.dir);
+            keep.extend(&inherit.named);
             keep.extend(infra::held_fds());
             keep.extend(inherit.stdio.iter().flatten().map(|fd| fd.as_raw_fd()));
             // SAFETY: what this process uses from here is `keep`; the rest (the monitor's
@@ -586,9 +586,8 @@ pub(super) fn async_fd(
 pub(super) enum Meanwhile {
     Serve,
     /// Nothing runs, the reaper included, until the helper answers: for a helper that finds
-    /// a process by its pid (an exec joins its container's init through `/proc/<pid>`; a
-    /// container may join a PID target's namespace), which a zombie keeps from reuse and a
-    /// reaped process frees.
+    /// a process by its pid (an exec joins its container's init through `/proc/<pid>`), which
+    /// a zombie keeps from reuse and a reaped process frees.
     Block,
 }
 
@@ -908,8 +907,8 @@ impl Svc {
         }
         // Before anything of the id is touched (its console socket, say).
         let creating = Creating::new(&self.state, &req.id)?;
-        // No await from here to the helper's fork, which then blocks the monitor: the check
-        // holds until the create.
+        // The PID target's namespace, held from the check on: the create joins it however
+        // soon that container exits and its pid is reaped and reused.
         let pid_target = self.check_pid_target(&req)?;
         let log = Arc::new(Mutex::new(
             LogWriter::open(std::path::Path::new(&req.log_path))
@@ -939,27 +938,30 @@ impl Svc {
         let console_path = console.as_ref().map(|c| c.path.clone());
         let started = std::time::Instant::now();
         let hook_bundle = bundle.clone();
-        let meanwhile = match pid_target {
-            true => Meanwhile::Block,
-            false => Meanwhile::Serve,
-        };
         let inherit = Inherit {
             stdio: Some([stdin, out_w, err_w]),
-            dir: console.as_ref().map(ConsoleSocket::dir_fd),
+            named: console
+                .as_ref()
+                .map(ConsoleSocket::dir_fd)
+                .into_iter()
+                .chain(pid_target.as_ref().map(AsRawFd::as_raw_fd))
+                .collect(),
         };
-        let made = in_helper(&self.state, meanwhile, inherit, move |stdio| {
+        let made = in_helper(&self.state, Meanwhile::Serve, inherit, move |stdio| {
             let [stdin, out_w, err_w] = stdio.expect("stdio given");
             // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
-            // held until the create returns.
-            let _mount_ns = joined_pid::prepare(&bundle_for_helper).map_err(|e| match e {
-                crate::Error::PidNsGone => {
-                    Status::failed_precondition(format!("container {id}: {e}"))
-                }
-                e => Status::internal(format!(
-                    "prepare container {id}'s mount namespace: {}",
-                    e.chain()
-                )),
-            })?;
+            // held until the create returns. A PID target is joined through the descriptor.
+            let target_ns = pid_target.as_ref().map(AsRawFd::as_raw_fd);
+            let _mount_ns =
+                joined_pid::prepare(&bundle_for_helper, target_ns).map_err(|e| match e {
+                    crate::Error::PidNsGone => {
+                        Status::failed_precondition(format!("container {id}: {e}"))
+                    }
+                    e => Status::internal(format!(
+                        "prepare container {id}'s mount namespace: {}",
+                        e.chain()
+                    )),
+                })?;
             let c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(Workload { seccomp: None })
                 .with_root_path(root)
@@ -1057,17 +1059,20 @@ impl Svc {
     /// A spec that joins another container's PID namespace (TARGET) names it by that
     /// container's pid, looked up by the daemon before the call, and the request names the
     /// container: it must still be this pod's, not exited, and still hold that pid, or the
-    /// pid may since name another process (another container of the pod, even). Checked with
-    /// no await before the create, so the reaper cannot free the pid in between (an exit
-    /// leaves a zombie until reaped here); true when the create joins it, so the monitor
-    /// blocks until the helper answers.
-    fn check_pid_target(&self, req: &pb::CreateContainerRequest) -> Result<bool, Status> {
+    /// pid may since name another process (another container of the pod, even). Checked and
+    /// the namespace opened with no await in between, and the reaper records an exit in the
+    /// step that reaps it (a zombie keeps its pid until then): the create joins the namespace
+    /// through that descriptor, not the pid, so the monitor serves (and reaps) meanwhile.
+    fn check_pid_target(
+        &self,
+        req: &pb::CreateContainerRequest,
+    ) -> Result<Option<OwnedFd>, Status> {
         let id = &req.id;
         let config = std::path::Path::new(&req.bundle).join("config.json");
         let raw =
             std::fs::read(&config).map_err(|e| err(format!("read {}", config.display()), e))?;
         if !raw.windows(7).any(|w| w == b"/ns/pid") {
-            return Ok(false);
+            return Ok(None);
         }
         let spec: serde_json::Value = serde_json::from_slice(&raw)
             .map_err(|e| err(format!("parse {}", config.display()), e))?;
@@ -1081,7 +1086,7 @@ impl Svc {
         // The pod's own shared namespace is a pin under its directory; any path through a
         // process is a container's, by its pid.
         let Some(path) = path.filter(|p| p.starts_with("/proc/")) else {
-            return Ok(false);
+            return Ok(None);
         };
         let Some(target) = path
             .strip_prefix("/proc/")
@@ -1093,7 +1098,13 @@ impl Svc {
             )));
         };
         let st = self.state.lock().expect("state");
-        pid_target_holds(&st, id, &req.pid_target, target).map(|()| true)
+        pid_target_holds(&st, id, &req.pid_target, target)?;
+        let ns = std::fs::File::open(path).map_err(|e| {
+            Status::failed_precondition(format!(
+                "container {id}: open the PID namespace it joins ({path}): {e}"
+            ))
+        })?;
+        Ok(Some(ns.into()))
     }
 
     async fn start_container(&self, req: pb::ContainerRef) -> Result<pb::ContainerState, Status> {
@@ -1122,7 +1133,7 @@ impl Svc {
         }
         let inherit = Inherit {
             stdio: None,
-            dir: None,
+            named: Vec::new(),
         };
         let started = in_helper(&self.state, Meanwhile::Serve, inherit, move |_| {
             let mut c = Container::load(root.join(&cid))
@@ -1296,7 +1307,7 @@ impl Svc {
         let id = req.id.clone();
         let inherit = Inherit {
             stdio: Some([devnull()?.into(), out_w, err_w]),
-            dir: None,
+            named: Vec::new(),
         };
         let process = pfile.clone();
         let built = in_helper(&self.state, Meanwhile::Block, inherit, move |stdio| {

@@ -438,7 +438,11 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     let process_file = pfile.clone();
     let inherit = Inherit {
         stdio: Some([child_in, child_out, child_err]),
-        dir: console.as_ref().map(ConsoleSocket::dir_fd),
+        named: console
+            .as_ref()
+            .map(ConsoleSocket::dir_fd)
+            .into_iter()
+            .collect(),
     };
     let built = in_helper(state, Meanwhile::Block, inherit, move |stdio| {
         let [child_in, child_out, child_err] = stdio.expect("stdio given");
