@@ -938,6 +938,7 @@ impl Svc {
         let console_path = console.as_ref().map(|c| c.path.clone());
         let started = std::time::Instant::now();
         let hook_bundle = bundle.clone();
+        let target_name = req.pid_target.clone();
         let inherit = Inherit {
             stdio: Some([stdin, out_w, err_w]),
             named: console
@@ -954,6 +955,12 @@ impl Svc {
             let target_ns = pid_target.as_ref().map(AsRawFd::as_raw_fd);
             let _mount_ns =
                 joined_pid::prepare(&bundle_for_helper, target_ns).map_err(|e| match e {
+                    // A PID target that exited since the check took its namespace with it.
+                    crate::Error::PidNsGone if target_ns.is_some() => {
+                        Status::failed_precondition(format!(
+                            "container {id}: container {target_name}, whose PID namespace it joins, has exited"
+                        ))
+                    }
                     crate::Error::PidNsGone => {
                         Status::failed_precondition(format!("container {id}: {e}"))
                     }
