@@ -1113,21 +1113,13 @@ async fn a_slow_create_joining_a_pid_target_holds_up_nothing() {
         container_config("target", &["sleep", "61"]),
     )
     .await;
-    let mut debug = with_cdi(
-        container_config("debug", &["sleep", "60"]),
-        &["hako.test/slow=create"],
+    let debug = in_pid_namespace_of(
+        with_cdi(
+            container_config("debug", &["sleep", "60"]),
+            &["hako.test/slow=create"],
+        ),
+        &target,
     );
-    debug.linux = Some(cri::LinuxContainerConfig {
-        security_context: Some(cri::LinuxContainerSecurityContext {
-            namespace_options: Some(cri::NamespaceOption {
-                pid: cri::NamespaceMode::Target as i32,
-                target_id: target.clone(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
     let call = {
         let (mut rt, pod, cfg) = (rt.clone(), pod.clone(), cfg.clone());
         tokio::spawn(async move { create(&mut rt, &pod, &cfg, debug).await })
@@ -1161,12 +1153,7 @@ async fn a_slow_create_joining_a_pid_target_holds_up_nothing() {
     })
     .await
     .unwrap();
-    let procs = exec(
-        &mut rt,
-        &debug_id,
-        "cat /proc/[0-9]*/cmdline | tr '\\0' ' '",
-    )
-    .await;
+    let procs = visible_processes(&mut rt, &debug_id).await;
     assert!(
         procs.contains("sleep 61"),
         "the target's processes are visible: {procs}"

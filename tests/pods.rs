@@ -646,26 +646,10 @@ async fn tty_devices_pid_target_and_live_resource_updates() {
     }
 
     // TARGET: a container in the PID namespace of the tty container sees its sleep.
-    let mut debug = container_config("debug", &["sleep", "60"]);
-    debug.linux = Some(cri::LinuxContainerConfig {
-        security_context: Some(cri::LinuxContainerSecurityContext {
-            namespace_options: Some(cri::NamespaceOption {
-                pid: cri::NamespaceMode::Target as i32,
-                // By a prefix of its id, as crictl users name containers.
-                target_id: tty_id[..12].to_string(),
-                ..Default::default()
-            }),
-            ..Default::default()
-        }),
-        ..Default::default()
-    });
+    // By a prefix of its id, as crictl users name containers.
+    let debug = in_pid_namespace_of(container_config("debug", &["sleep", "60"]), &tty_id[..12]);
     let debug_id = run_container(&mut rt, &pod, &cfg, debug).await;
-    let procs = exec(
-        &mut rt,
-        &debug_id,
-        "cat /proc/[0-9]*/cmdline | tr '\\0' ' '",
-    )
-    .await;
+    let procs = visible_processes(&mut rt, &debug_id).await;
     assert!(
         procs.contains("sleep 61"),
         "target's processes visible: {procs}"

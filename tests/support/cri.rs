@@ -191,6 +191,24 @@ pub async fn run_container(
     id
 }
 
+/// `cc`, joining the PID namespace of container `target` (TARGET, as `kubectl debug --target`
+/// asks; `target` may be a prefix of the id).
+pub fn in_pid_namespace_of(mut cc: cri::ContainerConfig, target: &str) -> cri::ContainerConfig {
+    let linux = cc.linux.get_or_insert_with(Default::default);
+    let sc = linux.security_context.get_or_insert_with(Default::default);
+    sc.namespace_options = Some(cri::NamespaceOption {
+        pid: cri::NamespaceMode::Target as i32,
+        target_id: target.to_string(),
+        ..Default::default()
+    });
+    cc
+}
+
+/// The command lines of the processes container `id` sees, NULs as spaces.
+pub async fn visible_processes(rt: &mut Rt, id: &str) -> String {
+    exec(rt, id, "cat /proc/[0-9]*/cmdline | tr '\\0' ' '").await
+}
+
 pub async fn exec(rt: &mut Rt, id: &str, script: &str) -> String {
     let out = rt
         .exec_sync(cri::ExecSyncRequest {
