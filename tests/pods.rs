@@ -2524,3 +2524,92 @@ async fn writable_layers_are_volatile_unless_configured_otherwise() {
         assert_no_leaks(&h, &pod);
     }
 }
+
+/// An exec into a container that has used up its CPU quota is slow to set up: libcontainer's
+/// processes join the container's cgroup and wait for its quota (here 1 ms a second, shared
+/// with eight busy loops) before the command runs. The pod's monitor serves meanwhile: the pod
+/// stays Ready past the daemon's 6.5 s wait for a monitor's answer, and an exec in the pod's
+/// other container runs at once. The slow exec's container is then killed mid-setup: its exit
+/// is recorded (the exec's hold on its init released), the exec's failure is not taken for a
+/// silent monitor, and the pod's removal leaves no cgroup (what the setup left in the
+/// container's cgroup dies once its quota is lifted).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exec_slowed_by_its_containers_cpu_quota_holds_up_nothing_else() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = pod_config("throttled", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut busy = container_config(
+        "busy",
+        &[
+            "sh",
+            "-c",
+            "for i in 1 2 3 4 5 6 7 8; do (while :; do :; done) & done; wait",
+        ],
+    );
+    busy.linux = Some(cri::LinuxContainerConfig {
+        resources: Some(cri::LinuxContainerResources {
+            cpu_period: 1_000_000,
+            cpu_quota: 1_000,
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    let busy = run_container(&mut rt, &pod, &cfg, busy).await;
+    let other = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("other", &["sleep", "60"]),
+    )
+    .await;
+    let slow = {
+        let (mut rt, busy) = (rt.clone(), busy.clone());
+        tokio::spawn(async move {
+            rt.exec_sync(cri::ExecSyncRequest {
+                container_id: busy,
+                cmd: vec!["echo".into(), "late".into()],
+                timeout: 120,
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert!(
+        !slow.is_finished(),
+        "the throttled exec is still being set up"
+    );
+    assert_eq!(
+        pod_state(&mut rt, &pod).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    assert_eq!(exec(&mut rt, &other, "echo served").await, "served");
+    rt.stop_container(cri::StopContainerRequest {
+        container_id: busy.clone(),
+        timeout: 0,
+    })
+    .await
+    .unwrap();
+    let st = wait_exited(&mut rt, &busy).await;
+    assert_eq!(st.exit_code, 137, "{st:?}");
+    // Killed with its container: an error, or the exit of a process that never ran `echo`.
+    match tokio::time::timeout(Duration::from_secs(30), slow)
+        .await
+        .expect("the exec ends with its container")
+        .unwrap()
+    {
+        Ok(r) => assert_ne!(r.into_inner().stdout, b"late\n"),
+        Err(e) => assert_ne!(e.code(), tonic::Code::Ok),
+    }
+    // Neither while it was set up nor for its failure, which the monitor answered.
+    assert!(
+        !h.log_text().contains("pod monitor did not answer"),
+        "{}",
+        h.log_text()
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

@@ -886,6 +886,7 @@ fn device_nodes(d: &DeviceReq) -> Result<Vec<oci::Device>> {
 /// Kills what is left in a container's cgroup and removes it; a dying process leaves its
 /// cgroup a moment later, so this tries for up to a second.
 pub(super) async fn clear_cgroup(cgroups_path: &str) {
+    super::host::lift_cpu_quota(cgroups_path);
     for _ in 0..50 {
         kill_cgroup(cgroups_path);
         if remove_cgroup(cgroups_path) {

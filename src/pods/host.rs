@@ -204,8 +204,28 @@ fn thaw_cgroup(cgroups_path: &str) {
     }
 }
 
-/// SIGKILLs a container's cgroup (thawed first) until no process is left in it, for up to
-/// two seconds; whether it emptied (a process in uninterruptible sleep can outlast that).
+/// Lifts the CPU quota of a container's cgroup that is being emptied: a process dies only once
+/// it runs its exit, which a quota already used up (a busy container with a tight limit) puts
+/// off to the next period, a second or more later. Left set, the cgroup outlives its removal.
+pub(super) fn lift_cpu_quota(cgroups_path: &str) {
+    let rel = cgroups_path.trim_start_matches('/');
+    if rel.is_empty() {
+        return;
+    }
+    let _ = std::fs::write(
+        Path::new("/sys/fs/cgroup/cpu")
+            .join(rel)
+            .join("cpu.cfs_quota_us"),
+        "-1",
+    );
+    for base in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {
+        let _ = std::fs::write(Path::new(base).join(rel).join("cpu.max"), "max");
+    }
+}
+
+/// SIGKILLs a container's cgroup (thawed and its CPU quota lifted first) until no process is
+/// left in it, for up to two seconds; whether it emptied (a process in uninterruptible sleep
+/// can outlast that).
 pub(super) async fn end_cgroup(cgroups_path: &str) -> bool {
     // One reading of the cgroups per round: 100 rounds of SIGKILL 20 ms apart.
     for round in 0..=100 {
@@ -218,6 +238,7 @@ pub(super) async fn end_cgroup(cgroups_path: &str) -> bool {
         }
         if round == 0 {
             thaw_cgroup(cgroups_path);
+            lift_cpu_quota(cgroups_path);
         }
         kill_all(&pids);
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
@@ -226,9 +247,11 @@ pub(super) async fn end_cgroup(cgroups_path: &str) -> bool {
 }
 
 /// Kills and removes the container cgroups (`hako-<id>`) left under a pod's cgroup by creates
-/// that never got a record (a monitor or daemon killed mid-create): no record names them, so
-/// nothing else would. Called when the pod goes, after its recorded containers are removed.
-pub(super) fn remove_leftover_container_cgroups(pod_cgroup: &str) {
+/// that never got a record (a monitor or daemon killed mid-create), or by deletes that found
+/// them still in use (an exec's setup process dying under a spent CPU quota): no record names
+/// them any more, so nothing else would. Called when the pod goes, after its recorded
+/// containers are removed.
+pub(super) async fn remove_leftover_container_cgroups(pod_cgroup: &str) {
     let rel = pod_cgroup.trim_start_matches('/');
     let mut bases: Vec<PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
         .map(|rd| rd.flatten().map(|e| e.path()).collect())
@@ -250,7 +273,7 @@ pub(super) fn remove_leftover_container_cgroups(pod_cgroup: &str) {
     for child in children {
         let path = format!("/{rel}/{child}");
         tracing::warn!(cgroup = %path, "removing the cgroup of a container whose create did not finish");
-        kill_cgroup(&path);
+        end_cgroup(&path).await;
         remove_cgroup(&path);
     }
 }

@@ -164,7 +164,7 @@ impl Runtime {
     /// records what it finds, so a read racing it leaves the pod to that change (and does not
     /// log a monitor "lost" on every relist during an ordinary stop).
     pub(super) fn check_monitor(&self, pod: &PodRecord, err: &Error) -> Result<()> {
-        if self.only_silent(pod, err) {
+        if answered(err) || self.only_silent(pod, err) {
             return Ok(());
         }
         let Some(_guard) = self.object_locks.try_exclusive(&pod.id) else {
@@ -202,7 +202,7 @@ impl Runtime {
     /// [`Runtime::check_monitor`] for a caller that holds the pod's lock (shared or
     /// exclusive): no stop of the pod can be under way.
     pub(super) fn check_monitor_locked(&self, pod: &PodRecord, err: &Error) -> Result<()> {
-        if self.only_silent(pod, err) {
+        if answered(err) || self.only_silent(pod, err) {
             return Ok(());
         }
         self.monitor_gone(pod, err)
@@ -521,7 +521,7 @@ impl Runtime {
             let _ = std::fs::remove_dir_all(&dir);
             // Its monitor is gone: what runs in hako's container cgroups below it is orphaned.
             let cgroup = format!("/hako/{id}");
-            remove_leftover_container_cgroups(&cgroup);
+            remove_leftover_container_cgroups(&cgroup).await;
             remove_cgroup(&cgroup);
         }
         if !unsure {
@@ -620,4 +620,11 @@ impl Runtime {
             }
         }
     }
+}
+
+/// An error the monitor answered with (the call's own failure: an exec that could not be
+/// set up, say): the monitor is there. Only a call it did not answer (`UNAVAILABLE` from the
+/// connection, `DEADLINE_EXCEEDED`) says anything about it.
+fn answered(err: &Error) -> bool {
+    !matches!(err, Error::Unavailable(_) | Error::DeadlineExceeded(_))
 }

@@ -424,7 +424,7 @@ impl Runtime {
                 return Err(Error::io("remove", &dir, e));
             }
         }
-        remove_leftover_container_cgroups(&pod_cgroup(&pod));
+        remove_leftover_container_cgroups(&pod_cgroup(&pod)).await;
         if pod.spec.cgroup_parent.is_empty() {
             // Ours (kubelet's parents are kubelet's): empty once the containers are deleted.
             if !remove_cgroup(&pod_cgroup(&pod)) {

@@ -9,8 +9,8 @@
 //!
 //! It runs a current-thread tokio runtime and never uses the blocking pool, so it is
 //! single-threaded whenever it forks. libcontainer runs in forked helpers; the monitor serves
-//! other calls while a create or start helper works, and blocks for an exec's (see
-//! `service::in_helper`).
+//! other calls while they work (see `service::in_helper`), holding back from its reaper the
+//! init of a container an exec's helper is joining (see [`ExecHold`]).
 //!
 //! Container states: `Created` (init waits on libcontainer's notify socket) → `Running` (after
 //! `start`) → `Exited` (reaped here, exit recorded). `Delete` removes an exited or created one.
@@ -27,7 +27,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::sys::wait::{waitid, waitpid, Id, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 use serde::{Deserialize, Serialize};
 
@@ -127,6 +127,11 @@ pub(crate) struct State {
     pub creating: std::collections::HashSet<String>,
     /// Pids of the helpers at work (see `service::in_helper`).
     pub helpers: std::collections::HashSet<i32>,
+    /// Container inits an exec's helper is joining, with how many: not reaped meanwhile (see
+    /// [`ExecHold`]).
+    pub exec_holds: HashMap<i32, usize>,
+    /// Per container, the slot its execs' helpers take turns in (see `streams::exec_slot`).
+    pub exec_slots: HashMap<String, Arc<tokio::sync::Semaphore>>,
     /// Teardown has begun: no create or start begins, none that ends is kept.
     pub shutting_down: bool,
     /// The daemon's record of the pod (KeepRecord), opaque here; empty until kept.
@@ -221,13 +226,80 @@ pub(crate) fn oom_killed(bundle: &Path) -> bool {
     false
 }
 
-/// Reaps every exited child; container exits are recorded, exec exits handed to waiters.
+/// A container's init, held from the reaper while an exec's helper joins it: libcontainer
+/// finds the init's namespaces, root and cgroup through `/proc/<pid>`, and an init that exits
+/// meanwhile stays a zombie, keeping its pid from reuse, until the last hold on it goes. Taken
+/// in the step that checks the container runs (nothing is reaped between); dropped, never
+/// while the state's lock is held, once the helper has answered.
+pub(crate) struct ExecHold {
+    state: Shared,
+    pid: i32,
+}
+
+impl ExecHold {
+    /// Holds `pid`, unless it has already exited (a zombie awaiting its reaping gets no new
+    /// exec, so holds on it end and it is reaped).
+    pub(crate) fn take(state: &Shared, st: &mut State, pid: i32) -> Option<ExecHold> {
+        if is_zombie(pid) {
+            return None;
+        }
+        *st.exec_holds.entry(pid).or_default() += 1;
+        Some(ExecHold {
+            state: state.clone(),
+            pid,
+        })
+    }
+}
+
+impl Drop for ExecHold {
+    fn drop(&mut self) {
+        {
+            let mut st = self.state.lock().expect("monitor state poisoned");
+            if let Some(n) = st.exec_holds.get_mut(&self.pid) {
+                *n -= 1;
+                if *n == 0 {
+                    st.exec_holds.remove(&self.pid);
+                }
+            }
+        }
+        // An exit left to wait meanwhile has no SIGCHLD still to come.
+        reap(&self.state);
+    }
+}
+
+fn is_zombie(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// The next exited child to reap, if any. With holds, the one the kernel would hand out next,
+/// unless it is held: then none, until the holds on it go (they end with their execs' helpers,
+/// and a held zombie gets no new one).
+fn next_exit(held: &HashMap<i32, usize>) -> Option<WaitStatus> {
+    let pid = if held.is_empty() {
+        Pid::from_raw(-1)
+    } else {
+        let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+        let pid = waitid(Id::All, flags).ok()?.pid()?;
+        if held.contains_key(&pid.as_raw()) {
+            return None;
+        }
+        pid
+    };
+    match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+        Ok(WaitStatus::StillAlive) | Err(_) => None,
+        Ok(ws) => Some(ws),
+    }
+}
+
+/// Reaps every exited child but those held (see [`ExecHold`]); container exits are recorded,
+/// exec exits handed to waiters.
 pub(crate) fn reap(state: &Shared) {
     loop {
-        let ws = match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) | Err(_) => return,
-            Ok(ws) => ws,
-        };
+        let next = next_exit(&state.lock().expect("monitor state poisoned").exec_holds);
+        let Some(ws) = next else { return };
         let Some(pid) = ws.pid() else { continue };
         let mut st = state.lock().expect("monitor state poisoned");
         if Some(pid) == st.infra_pid {
@@ -314,6 +386,8 @@ fn start(opts: Options) -> Result<(Shared, tokio::sync::oneshot::Receiver<()>)> 
         containers: HashMap::new(),
         creating: Default::default(),
         helpers: Default::default(),
+        exec_holds: HashMap::new(),
+        exec_slots: HashMap::new(),
         shutting_down: false,
         pod_record: Vec::new(),
         reaped: Reaped::default(),
@@ -416,6 +490,72 @@ mod tests {
         let mut rx = r.register(2560);
         assert!(rx.try_recv().is_err());
         assert!(r.waiting.contains_key(&2560));
+    }
+
+    /// The reaper passes over a held exit (an init an exec's helper joins) and takes the
+    /// others; a held one stays a zombie until released. Run in a child of its own: the
+    /// reaper's waits take any child of the process, and other tests fork too.
+    #[test]
+    fn a_held_exit_stays_a_zombie_while_the_others_are_reaped() {
+        let (report_r, report_w) = nix::unistd::pipe().unwrap();
+        // SAFETY: the child forks, waits and writes one byte, then _exits.
+        match unsafe { nix::unistd::fork() }.unwrap() {
+            nix::unistd::ForkResult::Child => {
+                let code = (|| -> u8 {
+                    let spawn = |code: i32| match unsafe { nix::unistd::fork() } {
+                        Ok(nix::unistd::ForkResult::Child) => unsafe { libc::_exit(code) },
+                        Ok(nix::unistd::ForkResult::Parent { child }) => child.as_raw(),
+                        Err(_) => unsafe { libc::_exit(99) },
+                    };
+                    let (a, b) = (spawn(3), spawn(4));
+                    while !(is_zombie(a) && is_zombie(b)) {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    // Whichever exit the kernel hands out first.
+                    let peek = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+                    let first = waitid(Id::All, peek).ok().and_then(|w| w.pid());
+                    let (first, other) = match first.map(Pid::as_raw) {
+                        Some(p) if p == a => (a, b),
+                        Some(p) if p == b => (b, a),
+                        _ => return 1,
+                    };
+                    let code_of = |p: i32| if p == a { 3 } else { 4 };
+                    let held = |p: i32| HashMap::from([(p, 1)]);
+                    // The first held: nothing is reaped, both stay zombies.
+                    if next_exit(&held(first)).is_some() || !is_zombie(first) || !is_zombie(other) {
+                        return 2;
+                    }
+                    // The other held: the first is reaped, then nothing while the other is held.
+                    match next_exit(&held(other)) {
+                        Some(WaitStatus::Exited(p, c))
+                            if p.as_raw() == first && c == code_of(first) => {}
+                        _ => return 3,
+                    }
+                    if next_exit(&held(other)).is_some() || !is_zombie(other) {
+                        return 4;
+                    }
+                    // Released: reaped.
+                    match next_exit(&HashMap::new()) {
+                        Some(WaitStatus::Exited(p, c))
+                            if p.as_raw() == other && c == code_of(other) =>
+                        {
+                            0
+                        }
+                        _ => 5,
+                    }
+                })();
+                let _ = nix::unistd::write(&report_w, &[code]);
+                unsafe { libc::_exit(0) }
+            }
+            nix::unistd::ForkResult::Parent { child } => {
+                drop(report_w);
+                let mut code = [9u8; 1];
+                let n = nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&report_r), &mut code)
+                    .unwrap();
+                waitpid(child, None).unwrap();
+                assert_eq!(&code[..n], &[0], "step that failed (1 to 5, see the test)");
+            }
+        }
     }
 
     #[test]

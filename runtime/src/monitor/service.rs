@@ -345,14 +345,14 @@ pub(super) struct Inherit {
 /// which is the pod's child subreaper. The monitor is single-threaded, so forking is safe. And
 /// what libcontainer allocates and runs stays out of the long-lived monitor.
 ///
-/// With [`Meanwhile::Serve`] the monitor serves other calls while the helper works (a CDI hook
-/// may take a minute: status calls, probes and the pod's other containers must not wait for
-/// it). What the helper made stays its child, out of the monitor's reaper's reach, until the
-/// caller has registered it and drops [`Made`]: a process that exits at once is not reaped
+/// The monitor serves other calls while the helper works (a CDI hook may take a minute: status
+/// calls, probes and the pod's other containers must not wait for it; an exec's caller holds
+/// its container's init from the reaper meanwhile, see `ExecHold`). What the helper made stays
+/// its child, out of the monitor's reaper's reach, until the caller has registered it and
+/// drops [`Made`]: a process that exits at once is not reaped
 /// before anyone waits for it.
 pub(super) async fn in_helper(
     state: &Shared,
-    meanwhile: Meanwhile,
     inherit: Inherit,
     f: impl FnOnce(Option<[OwnedFd; 3]>) -> Result<nix::unistd::Pid, Status>,
 ) -> Result<Made, Status> {
@@ -441,55 +441,36 @@ pub(super) async fn in_helper(
                 _ => None,
             };
             let mut msg = Vec::new();
-            match meanwhile {
-                Meanwhile::Block => {
-                    set_nonblocking(&r)?;
-                    let mut b = [0u8; 4096];
-                    // A long error may come in more than one piece: read until its newline,
-                    // or until the helper is gone and the pipe has nothing more.
-                    while !msg.contains(&b'\n') {
-                        wait_readable_or_exit(&r, pidfd.as_ref());
-                        match nix::unistd::read(r.as_raw_fd(), &mut b) {
-                            Ok(0) | Err(nix::errno::Errno::EAGAIN) => break,
-                            Ok(n) => msg.extend_from_slice(&b[..n]),
-                            Err(nix::errno::Errno::EINTR) => {}
-                            Err(e) => return Err(err("read helper result", e)),
-                        }
+            let mut reader = FdReader::new(r)?;
+            let exited = async {
+                match pidfd.map(|fd| async_fd(fd, tokio::io::Interest::READABLE)) {
+                    Some(Ok(fd)) => {
+                        let _ = fd.readable().await;
                     }
+                    _ => std::future::pending().await,
                 }
-                Meanwhile::Serve => {
-                    let mut reader = FdReader::new(r)?;
-                    let exited = async {
-                        match pidfd.map(|fd| async_fd(fd, tokio::io::Interest::READABLE)) {
-                            Some(Ok(fd)) => {
-                                let _ = fd.readable().await;
-                            }
-                            _ => std::future::pending().await,
-                        }
-                    };
-                    tokio::pin!(exited);
-                    let mut gone = false;
-                    while !msg.contains(&b'\n') {
-                        let read = reader.read_with(|b| msg.extend_from_slice(b));
-                        let n = if gone {
-                            // Gone: what it wrote before is in the pipe already.
-                            match tokio::time::timeout(Duration::from_millis(1), read).await {
-                                Ok(n) => n,
-                                Err(_) => break,
-                            }
-                        } else {
-                            tokio::select! {
-                                n = read => n,
-                                _ = &mut exited => {
-                                    gone = true;
-                                    continue;
-                                }
-                            }
-                        };
-                        if n.map_err(|e| err("read helper result", e))? == 0 {
-                            break;
+            };
+            tokio::pin!(exited);
+            let mut gone = false;
+            while !msg.contains(&b'\n') {
+                let read = reader.read_with(|b| msg.extend_from_slice(b));
+                let n = if gone {
+                    // Gone: what it wrote before is in the pipe already.
+                    match tokio::time::timeout(Duration::from_millis(1), read).await {
+                        Ok(n) => n,
+                        Err(_) => break,
+                    }
+                } else {
+                    tokio::select! {
+                        n = read => n,
+                        _ = &mut exited => {
+                            gone = true;
+                            continue;
                         }
                     }
+                };
+                if n.map_err(|e| err("read helper result", e))? == 0 {
+                    break;
                 }
             }
             let msg = String::from_utf8_lossy(&msg);
@@ -541,26 +522,6 @@ impl Drop for Helper {
     }
 }
 
-/// Blocks until `r` is readable or the process of `pidfd` (when there is one) has exited.
-fn wait_readable_or_exit(r: &OwnedFd, pidfd: Option<&OwnedFd>) {
-    let mut fds = [
-        libc::pollfd {
-            fd: r.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: pidfd.map_or(-1, |p| p.as_raw_fd()),
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    // SAFETY: two pollfds for descriptors held by the caller (a negative fd is ignored).
-    while unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) } < 0
-        && nix::errno::Errno::last() == nix::errno::Errno::EINTR
-    {}
-}
-
 fn set_nonblocking(fd: &OwnedFd) -> Result<(), Status> {
     nix::fcntl::fcntl(
         fd.as_raw_fd(),
@@ -579,16 +540,6 @@ pub(super) fn async_fd(
     // SAFETY: an OwnedFd is valid and stays the same fd until the AsyncFd drops it.
     unsafe { tokio::io::unix::AsyncFd::register_with_interest(fd, interest) }
         .map_err(|e| err("register fd", e.into_parts().1))
-}
-
-/// Whether the monitor serves other calls while a helper works.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Meanwhile {
-    Serve,
-    /// Nothing runs, the reaper included, until the helper answers: for a helper that finds
-    /// a process by its pid (an exec joins its container's init through `/proc/<pid>`), which
-    /// a zombie keeps from reuse and a reaped process frees.
-    Block,
 }
 
 /// An id whose create runs: a second create of it is refused meanwhile (the monitor serves
@@ -948,7 +899,7 @@ impl Svc {
                 .chain(pid_target.as_ref().map(AsRawFd::as_raw_fd))
                 .collect(),
         };
-        let made = in_helper(&self.state, Meanwhile::Serve, inherit, move |stdio| {
+        let made = in_helper(&self.state, inherit, move |stdio| {
             let [stdin, out_w, err_w] = stdio.expect("stdio given");
             // Joining a PID namespace, the init needs that namespace's /proc (see joined_pid);
             // held until the create returns. A PID target is joined through the descriptor.
@@ -1142,7 +1093,7 @@ impl Svc {
             stdio: None,
             named: Vec::new(),
         };
-        let started = in_helper(&self.state, Meanwhile::Serve, inherit, move |_| {
+        let started = in_helper(&self.state, inherit, move |_| {
             let mut c = Container::load(root.join(&cid))
                 .map_err(|e| lc_err(format!("load container {cid}"), e))?;
             c.start()
@@ -1297,16 +1248,19 @@ impl Svc {
         let mut st = self.state.lock().expect("state");
         let dir = st.opts.container_dir(&req.id);
         st.containers.remove(&req.id);
+        st.exec_slots.remove(&req.id);
         st.changed();
         let _ = std::fs::remove_dir_all(dir);
         Ok(pb::Empty {})
     }
 
     async fn exec_sync(&self, req: pb::ExecSyncRequest) -> Result<pb::ExecSyncResponse, Status> {
+        let slot = super::streams::exec_slot(&self.state, &req.id).await;
         let super::streams::ExecPlan {
             root,
             pfile,
             seccomp,
+            hold,
             ..
         } = super::streams::plan_exec(&self.state, &req.id, &req.cmd, false)?;
         let (out_r, out_w) = pipe()?;
@@ -1317,7 +1271,7 @@ impl Svc {
             named: Vec::new(),
         };
         let process = pfile.clone();
-        let built = in_helper(&self.state, Meanwhile::Block, inherit, move |stdio| {
+        let built = in_helper(&self.state, inherit, move |stdio| {
             let [stdin, out_w, err_w] = stdio.expect("stdio given");
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(Workload { seccomp })
@@ -1333,6 +1287,9 @@ impl Svc {
                 .map_err(|e| lc_err(format!("exec in container {id}"), e))
         })
         .await;
+        // Not under the state's lock (its drop takes it).
+        drop(hold);
+        drop(slot);
         let _ = std::fs::remove_file(&pfile);
         let made = built?;
         let pid = made.pid;

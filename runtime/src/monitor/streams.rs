@@ -15,7 +15,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncRead;
 
 use super::service::{
-    async_fd, devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Inherit, Meanwhile, Workload,
+    async_fd, devnull, err, in_helper, lc_err, pipe, ConsoleSocket, Inherit, Workload,
 };
 use super::wire::{self, stream, Status, STREAM_CHUNK};
 use super::{now_nanos, Phase, Shared};
@@ -335,6 +335,8 @@ pub(super) struct ExecPlan {
     pub(super) seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
     /// Names this exec's files apart from others running at once.
     pub(super) nanos: i64,
+    /// The container's init, held from the reaper until the exec's helper has answered.
+    pub(super) hold: super::ExecHold,
 }
 
 /// Checks that `id` is running and plans `cmd` in it (see [`ExecPlan`]).
@@ -344,24 +346,26 @@ pub(super) fn plan_exec(
     cmd: &[String],
     tty: bool,
 ) -> Result<ExecPlan, Status> {
-    let (bundle, cdir, root, phase) = {
-        let st = state.lock().expect("state");
+    let not_running = || Status::failed_precondition(format!("container {id} is not running"));
+    let (bundle, cdir, root, hold) = {
+        let mut st = state.lock().expect("state");
         let c = st
             .containers
             .get(id)
             .ok_or_else(|| Status::not_found(format!("container {id} not found in pod monitor")))?;
+        if c.phase != Phase::Running {
+            return Err(not_running());
+        }
+        let (bundle, pid) = (c.bundle.clone(), c.pid.as_raw());
+        // In the step that found it running: nothing is reaped in between.
+        let hold = super::ExecHold::take(state, &mut st, pid).ok_or_else(not_running)?;
         (
-            c.bundle.clone(),
+            bundle,
             st.opts.container_dir(id),
             st.opts.youki_root(),
-            c.phase,
+            hold,
         )
     };
-    if phase != Phase::Running {
-        return Err(Status::failed_precondition(format!(
-            "container {id} is not running"
-        )));
-    }
     if cmd.is_empty() {
         return Err(Status::invalid_argument(format!(
             "container {id}: exec command is empty"
@@ -383,7 +387,11 @@ pub(super) fn plan_exec(
     process["terminal"] = serde_json::json!(tty);
     let seccomp = exec_seccomp(&spec)?;
     std::fs::create_dir_all(&cdir).map_err(|e| err("create container dir", e))?;
-    let nanos = now_nanos();
+    // Strictly increasing: execs run at once, and two may be planned within a clock tick.
+    // (The monitor is single-threaded: a load and a store do.)
+    static LAST: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+    let nanos = now_nanos().max(LAST.load(std::sync::atomic::Ordering::Relaxed) + 1);
+    LAST.store(nanos, std::sync::atomic::Ordering::Relaxed);
     let pfile = cdir.join(format!("exec-{nanos}.json"));
     std::fs::write(&pfile, serde_json::to_vec(&process).expect("json"))
         .map_err(|e| err("write exec process", e))?;
@@ -393,16 +401,35 @@ pub(super) fn plan_exec(
         pfile,
         seccomp,
         nanos,
+        hold,
     })
 }
 
+/// The slot for an exec's helper in container `id`: one at a time per container, as when the
+/// monitor waited for each. More at once brought no more execs per second here and halved the
+/// pod starts of a loaded node (tests/load.rs; their setups read the mount table under the
+/// kernel's one mount lock); an exec slowed in one container (a CPU quota it has used up)
+/// holds up only that container's next execs.
+pub(super) async fn exec_slot(state: &Shared, id: &str) -> tokio::sync::OwnedSemaphorePermit {
+    let slot = state
+        .lock()
+        .expect("state")
+        .exec_slots
+        .entry(id.to_string())
+        .or_insert_with(|| std::sync::Arc::new(tokio::sync::Semaphore::new(1)))
+        .clone();
+    slot.acquire_owned().await.expect("never closed")
+}
+
 async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, Status> {
+    let slot = exec_slot(state, &req.id).await;
     let ExecPlan {
         cdir,
         root,
         pfile,
         seccomp,
         nanos,
+        hold,
     } = plan_exec(state, &req.id, &req.cmd, req.tty)?;
     // A terminal's init sends its master over a socket of this exec's own (execs run at once).
     let console_dir = cdir.join(format!("exec-{nanos}"));
@@ -444,7 +471,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
             .into_iter()
             .collect(),
     };
-    let built = in_helper(state, Meanwhile::Block, inherit, move |stdio| {
+    let built = in_helper(state, inherit, move |stdio| {
         let [child_in, child_out, child_err] = stdio.expect("stdio given");
         ContainerBuilder::new(id.clone(), SyscallType::default())
             .with_executor(Workload { seccomp })
@@ -461,6 +488,9 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
             .map_err(|e| lc_err(format!("exec in container {id}"), e))
     })
     .await;
+    // Not under the state's lock (its drop takes it).
+    drop(hold);
+    drop(slot);
     let _ = std::fs::remove_file(&pfile);
     let made = match built {
         Ok(p) => p,
