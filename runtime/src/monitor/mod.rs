@@ -274,31 +274,55 @@ fn is_zombie(pid: i32) -> bool {
     })
 }
 
-/// The next exited child to reap, if any. With holds, the one the kernel would hand out next,
-/// unless it is held: then none, until the holds on it go (they end with their execs' helpers,
-/// and a held zombie gets no new one).
-fn next_exit(held: &HashMap<i32, usize>) -> Option<WaitStatus> {
-    let pid = if held.is_empty() {
-        Pid::from_raw(-1)
-    } else {
-        let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
-        let pid = waitid(Id::All, flags).ok()?.pid()?;
-        if held.contains_key(&pid.as_raw()) {
-            return None;
-        }
-        pid
-    };
-    match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+/// The next exited child to reap, if any. With holds, the one the kernel would hand out next
+/// unless it is held; when it is (the kernel hands out the oldest first, and a held init is
+/// older than most), one of `known` (the pod's processes the monitor knows of: inits, execs,
+/// helpers) that has exited and is not held. An orphan the pod left waits for the holds to go
+/// (they end with their execs' helpers, and a held zombie gets no new one).
+fn next_exit(held: &HashMap<i32, usize>, known: &[i32]) -> Option<WaitStatus> {
+    let reaped = |pid: Pid| match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
         Ok(WaitStatus::StillAlive) | Err(_) => None,
         Ok(ws) => Some(ws),
+    };
+    if held.is_empty() {
+        return reaped(Pid::from_raw(-1));
     }
+    let flags = WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT;
+    let pid = waitid(Id::All, flags).ok()?.pid()?;
+    if !held.contains_key(&pid.as_raw()) {
+        return reaped(pid);
+    }
+    known
+        .iter()
+        .filter(|p| **p > 0 && !held.contains_key(p))
+        .find_map(|p| reaped(Pid::from_raw(*p)))
+}
+
+/// The pids [`next_exit`] may reap by name while a held exit blocks the kernel's order.
+fn known_pids(st: &State) -> Vec<i32> {
+    st.containers
+        .values()
+        .filter(|c| c.phase != Phase::Exited)
+        .map(|c| c.pid.as_raw())
+        .chain(st.reaped.waiting.keys().copied())
+        .chain(st.helpers.iter().copied())
+        .chain(st.infra_pid.map(Pid::as_raw))
+        .collect()
 }
 
 /// Reaps every exited child but those held (see [`ExecHold`]); container exits are recorded,
 /// exec exits handed to waiters.
 pub(crate) fn reap(state: &Shared) {
     loop {
-        let next = next_exit(&state.lock().expect("monitor state poisoned").exec_holds);
+        let next = {
+            let st = state.lock().expect("monitor state poisoned");
+            let known = if st.exec_holds.is_empty() {
+                Vec::new()
+            } else {
+                known_pids(&st)
+            };
+            next_exit(&st.exec_holds, &known)
+        };
         let Some(ws) = next else { return };
         let Some(pid) = ws.pid() else { continue };
         let mut st = state.lock().expect("monitor state poisoned");
@@ -493,7 +517,8 @@ mod tests {
     }
 
     /// The reaper passes over a held exit (an init an exec's helper joins) and takes the
-    /// others; a held one stays a zombie until released. Run in a child of its own: the
+    /// others, by name when the held one is first in the kernel's order; a held one stays a
+    /// zombie until released. Run in a child of its own: the
     /// reaper's waits take any child of the process, and other tests fork too.
     #[test]
     fn a_held_exit_stays_a_zombie_while_the_others_are_reaped() {
@@ -521,23 +546,26 @@ mod tests {
                     };
                     let code_of = |p: i32| if p == a { 3 } else { 4 };
                     let held = |p: i32| HashMap::from([(p, 1)]);
-                    // The first held: nothing is reaped, both stay zombies.
-                    if next_exit(&held(first)).is_some() || !is_zombie(first) || !is_zombie(other) {
+                    // The first held: nothing is reaped in the kernel's order, both stay zombies.
+                    if next_exit(&held(first), &[]).is_some()
+                        || !is_zombie(first)
+                        || !is_zombie(other)
+                    {
                         return 2;
                     }
-                    // The other held: the first is reaped, then nothing while the other is held.
-                    match next_exit(&held(other)) {
+                    // The other, named as a known process, is reaped past it; the held one not.
+                    match next_exit(&held(first), &[first, other]) {
                         Some(WaitStatus::Exited(p, c))
-                            if p.as_raw() == first && c == code_of(first) => {}
+                            if p.as_raw() == other && c == code_of(other) => {}
                         _ => return 3,
                     }
-                    if next_exit(&held(other)).is_some() || !is_zombie(other) {
+                    if next_exit(&held(first), &[first, other]).is_some() || !is_zombie(first) {
                         return 4;
                     }
                     // Released: reaped.
-                    match next_exit(&HashMap::new()) {
+                    match next_exit(&HashMap::new(), &[]) {
                         Some(WaitStatus::Exited(p, c))
-                            if p.as_raw() == other && c == code_of(other) =>
+                            if p.as_raw() == first && c == code_of(first) =>
                         {
                             0
                         }

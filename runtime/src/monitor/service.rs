@@ -1255,7 +1255,7 @@ impl Svc {
     }
 
     async fn exec_sync(&self, req: pb::ExecSyncRequest) -> Result<pb::ExecSyncResponse, Status> {
-        let slot = super::streams::exec_slot(&self.state, &req.id).await;
+        let slot = super::streams::exec_slot(&self.state, &req.id).await?;
         let super::streams::ExecPlan {
             root,
             pfile,

@@ -356,6 +356,12 @@ pub(super) fn plan_exec(
         if c.phase != Phase::Running {
             return Err(not_running());
         }
+        // Teardown has listed the helpers it kills: one forked after would outlive it.
+        if st.shutting_down {
+            return Err(Status::failed_precondition(format!(
+                "container {id}: the pod monitor is shutting down"
+            )));
+        }
         let (bundle, pid) = (c.bundle.clone(), c.pid.as_raw());
         // In the step that found it running: nothing is reaped in between.
         let hold = super::ExecHold::take(state, &mut st, pid).ok_or_else(not_running)?;
@@ -410,19 +416,28 @@ pub(super) fn plan_exec(
 /// pod starts of a loaded node (tests/load.rs; their setups read the mount table under the
 /// kernel's one mount lock); an exec slowed in one container (a CPU quota it has used up)
 /// holds up only that container's next execs.
-pub(super) async fn exec_slot(state: &Shared, id: &str) -> tokio::sync::OwnedSemaphorePermit {
-    let slot = state
-        .lock()
-        .expect("state")
-        .exec_slots
-        .entry(id.to_string())
-        .or_insert_with(|| std::sync::Arc::new(tokio::sync::Semaphore::new(1)))
-        .clone();
-    slot.acquire_owned().await.expect("never closed")
+pub(super) async fn exec_slot(
+    state: &Shared,
+    id: &str,
+) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+    let slot = {
+        let mut st = state.lock().expect("state");
+        // Only a container's: the slots go with their containers.
+        if !st.containers.contains_key(id) {
+            return Err(Status::not_found(format!(
+                "container {id} not found in pod monitor"
+            )));
+        }
+        st.exec_slots
+            .entry(id.to_string())
+            .or_insert_with(|| std::sync::Arc::new(tokio::sync::Semaphore::new(1)))
+            .clone()
+    };
+    Ok(slot.acquire_owned().await.expect("never closed"))
 }
 
 async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, Status> {
-    let slot = exec_slot(state, &req.id).await;
+    let slot = exec_slot(state, &req.id).await?;
     let ExecPlan {
         cdir,
         root,
