@@ -164,7 +164,7 @@ impl Runtime {
     /// records what it finds, so a read racing it leaves the pod to that change (and does not
     /// log a monitor "lost" on every relist during an ordinary stop).
     pub(super) fn check_monitor(&self, pod: &PodRecord, err: &Error) -> Result<()> {
-        if answered(err) || self.only_silent(pod, err) {
+        if self.only_silent(pod, err) {
             return Ok(());
         }
         let Some(_guard) = self.object_locks.try_exclusive(&pod.id) else {
@@ -202,15 +202,18 @@ impl Runtime {
     /// [`Runtime::check_monitor`] for a caller that holds the pod's lock (shared or
     /// exclusive): no stop of the pod can be under way.
     pub(super) fn check_monitor_locked(&self, pod: &PodRecord, err: &Error) -> Result<()> {
-        if answered(err) || self.only_silent(pod, err) {
+        if self.only_silent(pod, err) {
             return Ok(());
         }
         self.monitor_gone(pod, err)
     }
 
-    /// Whether the pod's monitor still listens: then it only did not answer (logged, left
-    /// alone).
+    /// Whether the pod's monitor is still there: it answered `err` itself, or it still listens
+    /// and only did not answer (logged, left alone).
     fn only_silent(&self, pod: &PodRecord, err: &Error) -> bool {
+        if answered(err) {
+            return true;
+        }
         let listening = self.monitor(pod).listening();
         if listening {
             tracing::warn!(pod = %pod.id, error = %chain(err), "pod monitor did not answer");

@@ -234,12 +234,19 @@ pub(crate) fn oom_killed(bundle: &Path) -> bool {
 pub(crate) struct ExecHold {
     state: Shared,
     pid: i32,
+    /// The container's exec slot (`streams::exec_slot`), given back with the hold.
+    _slot: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl ExecHold {
     /// Holds `pid`, unless it has already exited (a zombie awaiting its reaping gets no new
     /// exec, so holds on it end and it is reaped).
-    pub(crate) fn take(state: &Shared, st: &mut State, pid: i32) -> Option<ExecHold> {
+    pub(crate) fn take(
+        state: &Shared,
+        st: &mut State,
+        pid: i32,
+        slot: tokio::sync::OwnedSemaphorePermit,
+    ) -> Option<ExecHold> {
         if is_zombie(pid) {
             return None;
         }
@@ -247,6 +254,7 @@ impl ExecHold {
         Some(ExecHold {
             state: state.clone(),
             pid,
+            _slot: slot,
         })
     }
 }

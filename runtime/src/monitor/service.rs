@@ -1255,14 +1255,13 @@ impl Svc {
     }
 
     async fn exec_sync(&self, req: pb::ExecSyncRequest) -> Result<pb::ExecSyncResponse, Status> {
-        let slot = super::streams::exec_slot(&self.state, &req.id).await?;
         let super::streams::ExecPlan {
             root,
             pfile,
             seccomp,
             hold,
             ..
-        } = super::streams::plan_exec(&self.state, &req.id, &req.cmd, false)?;
+        } = super::streams::plan_exec(&self.state, &req.id, &req.cmd, false).await?;
         let (out_r, out_w) = pipe()?;
         let (err_r, err_w) = pipe()?;
         let id = req.id.clone();
@@ -1289,7 +1288,6 @@ impl Svc {
         .await;
         // Not under the state's lock (its drop takes it).
         drop(hold);
-        drop(slot);
         let _ = std::fs::remove_file(&pfile);
         let made = built?;
         let pid = made.pid;

@@ -335,17 +335,20 @@ pub(super) struct ExecPlan {
     pub(super) seccomp: Option<oci_spec::runtime::LinuxSeccomp>,
     /// Names this exec's files apart from others running at once.
     pub(super) nanos: i64,
-    /// The container's init, held from the reaper until the exec's helper has answered.
+    /// The container's init, held from the reaper, and its exec slot, until the exec's helper
+    /// has answered.
     pub(super) hold: super::ExecHold,
 }
 
-/// Checks that `id` is running and plans `cmd` in it (see [`ExecPlan`]).
-pub(super) fn plan_exec(
+/// Waits for `id`'s exec slot, checks that it is running and plans `cmd` in it (see
+/// [`ExecPlan`]).
+pub(super) async fn plan_exec(
     state: &Shared,
     id: &str,
     cmd: &[String],
     tty: bool,
 ) -> Result<ExecPlan, Status> {
+    let slot = exec_slot(state, id).await?;
     let not_running = || Status::failed_precondition(format!("container {id} is not running"));
     let (bundle, cdir, root, hold) = {
         let mut st = state.lock().expect("state");
@@ -364,7 +367,7 @@ pub(super) fn plan_exec(
         }
         let (bundle, pid) = (c.bundle.clone(), c.pid.as_raw());
         // In the step that found it running: nothing is reaped in between.
-        let hold = super::ExecHold::take(state, &mut st, pid).ok_or_else(not_running)?;
+        let hold = super::ExecHold::take(state, &mut st, pid, slot).ok_or_else(not_running)?;
         (
             bundle,
             st.opts.container_dir(id),
@@ -416,10 +419,7 @@ pub(super) fn plan_exec(
 /// pod starts of a loaded node (tests/load.rs; their setups read the mount table under the
 /// kernel's one mount lock); an exec slowed in one container (a CPU quota it has used up)
 /// holds up only that container's next execs.
-pub(super) async fn exec_slot(
-    state: &Shared,
-    id: &str,
-) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+async fn exec_slot(state: &Shared, id: &str) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
     let slot = {
         let mut st = state.lock().expect("state");
         // Only a container's: the slots go with their containers.
@@ -437,7 +437,6 @@ pub(super) async fn exec_slot(
 }
 
 async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, Status> {
-    let slot = exec_slot(state, &req.id).await?;
     let ExecPlan {
         cdir,
         root,
@@ -445,7 +444,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
         seccomp,
         nanos,
         hold,
-    } = plan_exec(state, &req.id, &req.cmd, req.tty)?;
+    } = plan_exec(state, &req.id, &req.cmd, req.tty).await?;
     // A terminal's init sends its master over a socket of this exec's own (execs run at once).
     let console_dir = cdir.join(format!("exec-{nanos}"));
     let console = if req.tty {
@@ -505,7 +504,6 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     .await;
     // Not under the state's lock (its drop takes it).
     drop(hold);
-    drop(slot);
     let _ = std::fs::remove_file(&pfile);
     let made = match built {
         Ok(p) => p,
