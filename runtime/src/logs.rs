@@ -59,26 +59,47 @@ pub struct LogWriter {
 
 /// Opens (creating) a CRI log file: never through a symlink at its last component (the log
 /// dir is the pod's; a link there must not make the monitor append to another file), 0640 as
-/// containerd makes them.
+/// containerd makes them. A file already there keeps its mode, as with containerd and CRI-O:
+/// the path is the client's, and may name a file that is not a log.
 fn open(path: &Path) -> io::Result<File> {
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let f = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o640)
-        // O_NONBLOCK: a FIFO placed there must not block the monitor in open.
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(path)?;
+    let open = |new: bool| {
+        OpenOptions::new()
+            .create_new(new)
+            .append(true)
+            .mode(0o640)
+            // O_NONBLOCK: a FIFO placed there must not block the monitor in open.
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(path)
+    };
+    // O_EXCL first: a symlink there counts as existing, and O_NOFOLLOW then refuses it. A
+    // file removed between the two opens (kubelet rotating) is created on the second round.
+    let mut round = 0;
+    let (f, created) = loop {
+        round += 1;
+        match open(true) {
+            Ok(f) => break (f, true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => match open(false) {
+                Ok(f) => break (f, false),
+                Err(e) if e.kind() == io::ErrorKind::NotFound && round < 2 => {}
+                Err(e) => return Err(e),
+            },
+            Err(e) => return Err(e),
+        }
+    };
     if !f.metadata()?.file_type().is_file() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             format!("{} is not a regular file", path.display()),
         ));
     }
-    f.set_permissions(std::fs::Permissions::from_mode(0o640))?;
+    if created {
+        // Whatever the umask.
+        f.set_permissions(std::fs::Permissions::from_mode(0o640))?;
+    }
     Ok(f)
 }
 
@@ -267,6 +288,16 @@ mod tests {
             std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
             0o640
         );
+        // One already there (a client's path may name any file): appended to, mode kept.
+        let p = d.path().join("3.log");
+        std::fs::write(&p, "kept\n").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o604)).unwrap();
+        let mut w = LogWriter::open(&p).unwrap();
+        w.write(Stream::Stdout, b"new\n").unwrap();
+        drop(w);
+        let meta = std::fs::metadata(&p).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o604);
+        assert!(std::fs::read_to_string(&p).unwrap().starts_with("kept\n"));
     }
 
     #[test]
