@@ -799,9 +799,17 @@ impl Store {
         Ok(t.get(name)?.map(|v| v.value().to_string()))
     }
 
-    pub fn release(&self, name: &str) -> Result<()> {
+    /// Releases `name` if `holder` holds it: a name another object has taken since (a record
+    /// adopted after a store loss beside a newer one of the same name) stays that one's.
+    pub fn release(&self, name: &str, holder: &str) -> Result<()> {
         let txn = self.db.begin_write()?;
-        txn.open_table(RESERVATIONS)?.remove(name)?;
+        {
+            let mut t = txn.open_table(RESERVATIONS)?;
+            let held = t.get(name)?.is_some_and(|v| v.value() == holder);
+            if held {
+                t.remove(name)?;
+            }
+        }
         txn.commit()?;
         Ok(())
     }
@@ -1336,7 +1344,13 @@ mod runtime_tables {
             "same holder again is fine"
         );
         assert_eq!(s.reserve("pod:a", "2").unwrap().as_deref(), Some("1"));
-        s.release("pod:a").unwrap();
+        s.release("pod:a", "2").unwrap();
+        assert_eq!(
+            s.reserved("pod:a").unwrap().as_deref(),
+            Some("1"),
+            "not 2's"
+        );
+        s.release("pod:a", "1").unwrap();
         assert_eq!(s.reserved("pod:a").unwrap(), None);
         s.pin("c1", &["x".into(), "y".into()]).unwrap();
         s.pin("c2", &["y".into()]).unwrap();

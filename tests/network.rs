@@ -604,6 +604,51 @@ async fn attachments_no_pod_owns_are_released_at_start() {
     assert_no_leaks(&h, &kept);
 }
 
+/// The daemon dies, its metadata is lost, and a pod's monitor does not answer at the next start
+/// (stopped): the pod is left running, and so is its network (the start's network GC must not
+/// DEL an attachment whose pod it could not rule out); the next start adopts it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_left_running_at_start_keeps_its_network() {
+    let net = TestNet::new();
+    let Some((_reg, mut h)) = on_net(&net, 30).await else {
+        return;
+    };
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let pod = run_pod(&mut rt, &pod_config("silent", logs.path())).await;
+    let lease = net.leased();
+    assert_eq!(lease.len(), 1);
+    let monitor = monitor_pid(&mut rt, &pod).await;
+    h.kill9();
+    std::fs::remove_file(h.root.join("meta.db")).unwrap();
+    nix::sys::signal::kill(monitor, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let resume = Resume(monitor);
+    h.restart();
+    assert!(
+        h.log_text().contains("could not be adopted: left running"),
+        "{}",
+        h.log_text()
+    );
+    assert_eq!(net.leased(), lease, "{}", h.log_text());
+    assert!(
+        !h.log_text().contains("released the network of a pod"),
+        "{}",
+        h.log_text()
+    );
+    drop(resume);
+    h.kill9();
+    h.restart();
+    let mut rt = h.runtime().await;
+    assert_eq!(
+        pod_state(&mut rt, &pod).await,
+        cri::PodSandboxState::SandboxReady as i32
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert!(net.leased().is_empty(), "{:?}", net.leased());
+    assert!(net.veths().is_empty(), "{:?}", net.veths());
+    assert_no_leaks(&h, &pod);
+}
+
 /// What a power loss can leave of a file written and renamed but never synced: its name and
 /// no data.
 fn tear_cni_cache_entry(h: &Hako, pod: &str) {

@@ -1928,15 +1928,6 @@ async fn a_start_with_a_stuck_monitor_adopts_the_others_without_waiting_for_it()
     }
 }
 
-/// Resumes a SIGSTOPped monitor when dropped, so a failing test does not leave it stopped.
-struct Resume(nix::unistd::Pid);
-
-impl Drop for Resume {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
-    }
-}
-
 /// One stuck monitor among several pods: every list, status and stats call still answers for
 /// all of them; the stuck pod is reported NotReady (the reason in its verbose status), its
 /// containers as last recorded, the other pods Ready with their containers Running. Once the
@@ -2609,6 +2600,182 @@ async fn an_exec_slowed_by_its_containers_cpu_quota_holds_up_nothing_else() {
         !h.log_text().contains("pod monitor did not answer"),
         "{}",
         h.log_text()
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// Two pods may share a cgroup parent (kubelet gives each its own, other CRI clients need not):
+/// removing one leaves the containers of the other running, their cgroups in place.
+#[tokio::test(flavor = "multi_thread")]
+async fn removing_a_pod_spares_the_containers_of_a_pod_sharing_its_cgroup_parent() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let parent = format!("shared-parent-{}", std::process::id());
+    let with_parent = |name: &str| {
+        let mut cfg = pod_config(name, logs.path());
+        cfg.linux.get_or_insert_with(Default::default).cgroup_parent = format!("/{parent}");
+        cfg
+    };
+    let (cfg_a, cfg_b) = (with_parent("first"), with_parent("second"));
+    let a = run_pod(&mut rt, &cfg_a).await;
+    let b = run_pod(&mut rt, &cfg_b).await;
+    let sleeper = |name| container_config(name, &["sleep", "60"]);
+    let ca = run_container(&mut rt, &a, &cfg_a, sleeper("a")).await;
+    let cb = run_container(&mut rt, &b, &cfg_b, sleeper("b")).await;
+    let cgroups_of = |id: &str| -> Vec<std::path::PathBuf> {
+        cgroup_mounts()
+            .into_iter()
+            .map(|m| m.join(&parent).join(format!("hako-{id}")))
+            .filter(|d| d.is_dir())
+            .collect()
+    };
+    assert!(!cgroups_of(&ca).is_empty() && !cgroups_of(&cb).is_empty());
+    remove_pod(&mut rt, &a).await;
+    assert!(cgroups_of(&ca).is_empty(), "{:?}", cgroups_of(&ca));
+    assert_eq!(
+        status(&mut rt, &cb).await.state,
+        cri::ContainerState::ContainerRunning as i32
+    );
+    assert_eq!(exec(&mut rt, &cb, "echo alive").await, "alive");
+    assert!(!cgroups_of(&cb).is_empty());
+    assert!(
+        !h.log_text().contains("whose create did not finish"),
+        "{}",
+        h.log_text()
+    );
+    remove_pod(&mut rt, &b).await;
+    assert!(cgroups_of(&cb).is_empty(), "{:?}", cgroups_of(&cb));
+    // The parent is the client's (kubelet's): hako leaves it, the test removes it.
+    for m in cgroup_mounts() {
+        let _ = std::fs::remove_dir(m.join(&parent));
+    }
+}
+
+/// An ExecSync whose caller goes (crictl interrupted, a client's deadline) does not run on for
+/// nobody: its process is killed, the container and its next execs are untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exec_whose_caller_went_is_killed() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = pod_config("abandoned", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let cid = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("c", &["sleep", "600"]),
+    )
+    .await;
+    let argv = ["sleep", "3141"];
+    let call = {
+        let (mut rt, cid) = (rt.clone(), cid.clone());
+        tokio::spawn(async move {
+            rt.exec_sync(cri::ExecSyncRequest {
+                container_id: cid,
+                cmd: argv.iter().map(|a| a.to_string()).collect(),
+                timeout: 0,
+            })
+            .await
+        })
+    };
+    support::wait_for("the exec's process", Duration::from_secs(20), || {
+        processes_with_cmdline(&argv) == 1
+    })
+    .await;
+    // Dropping the call cancels its HTTP/2 stream, as an interrupted client does.
+    call.abort();
+    support::wait_for(
+        "the exec's process to be killed",
+        Duration::from_secs(10),
+        || processes_with_cmdline(&argv) == 0,
+    )
+    .await;
+    assert_eq!(
+        status(&mut rt, &cid).await.state,
+        cri::ContainerState::ContainerRunning as i32
+    );
+    assert_eq!(exec(&mut rt, &cid, "echo next").await, "next");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// An Exec URL names the container its call found, not the prefix the call gave: used once that
+/// container is gone, it fails, instead of opening the session in a newer container (of any pod)
+/// whose id begins the same way.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exec_url_keeps_to_the_container_its_call_named() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let Some(client) = support::streaming_client() else {
+        support::skip(
+            "an_exec_url_keeps_to_the_container_its_call_named",
+            "go is missing (tests/streaming-client is Go)",
+        );
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = pod_config("prefixes", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let x = run_container(
+        &mut rt,
+        &pod,
+        &cfg,
+        container_config("x", &["sleep", "600"]),
+    )
+    .await;
+    let prefix = x[..1].to_string();
+    let url = rt
+        .exec(cri::ExecRequest {
+            container_id: prefix.clone(),
+            // Its container's cgroup names it (the pod's containers share a PID namespace).
+            cmd: vec!["cat".into(), "/proc/self/cgroup".into()],
+            stdout: true,
+            stderr: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .url;
+    remove_container(&mut rt, &x).await;
+    // A new container whose id starts as x's did (1 in 16 do).
+    let mut y = None;
+    for i in 0..300 {
+        let c = run_container(
+            &mut rt,
+            &pod,
+            &cfg,
+            container_config(&format!("y{i}"), &["sleep", "601"]),
+        )
+        .await;
+        if c.starts_with(&prefix) {
+            y = Some(c);
+            break;
+        }
+        remove_container(&mut rt, &c).await;
+    }
+    let y = y.expect("a container id with the same first digit in 300 tries");
+    let out = tokio::process::Command::new(&client)
+        .args(["exec", &url])
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success() && !stdout.contains(&y),
+        "the session ran in {y}: {:?} {stdout:?} {:?}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
     );
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);

@@ -197,7 +197,7 @@ async fn run_pod_sandbox_refuses_bad_requests() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("metadata"), "{e:?}");
 
-    for parent in ["/kubepods/../../escape", "..", "/"] {
+    for parent in ["/kubepods/../../escape", "..", "/", "/hako/p1"] {
         let mut config = pod_config("escape");
         config.linux = Some(cri::LinuxPodSandboxConfig {
             cgroup_parent: parent.into(),

@@ -518,7 +518,7 @@ impl Runtime {
         }
         self.remove_container_files(&c.id)?;
         self.store.delete(Table::Containers, &c.id)?;
-        self.store.release(&c.spec.reservation(&c.pod_id))?;
+        self.store.release(&c.spec.reservation(&c.pod_id), &c.id)?;
         self.store.unpin(&c.id)?;
         tracing::info!(container = %c.id, "container removed");
         Ok(())

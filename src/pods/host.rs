@@ -246,18 +246,14 @@ pub(super) async fn end_cgroup(cgroups_path: &str) -> bool {
     false
 }
 
-/// Kills and removes the container cgroups (`hako-<id>`) left under a pod's cgroup by creates
-/// that never got a record (a monitor or daemon killed mid-create), or by deletes that found
-/// them still in use (an exec's setup process dying under a spent CPU quota): no record names
-/// them any more, so nothing else would. Called when the pod goes, after its recorded
-/// containers are removed.
-pub(super) async fn remove_leftover_container_cgroups(pod_cgroup: &str) {
+/// The ids of the container cgroups (`hako-<id>`) under a pod's cgroup, in any hierarchy.
+pub(super) fn container_cgroup_ids(pod_cgroup: &str) -> std::collections::BTreeSet<String> {
     let rel = pod_cgroup.trim_start_matches('/');
     let mut bases: Vec<PathBuf> = std::fs::read_dir("/sys/fs/cgroup")
         .map(|rd| rd.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     bases.push(PathBuf::from("/sys/fs/cgroup"));
-    let mut children = std::collections::BTreeSet::new();
+    let mut ids = std::collections::BTreeSet::new();
     for base in bases {
         for e in std::fs::read_dir(base.join(rel))
             .into_iter()
@@ -265,13 +261,22 @@ pub(super) async fn remove_leftover_container_cgroups(pod_cgroup: &str) {
             .flatten()
         {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("hako-") && e.path().is_dir() {
-                children.insert(name);
+            if let Some(id) = name.strip_prefix("hako-") {
+                if e.path().is_dir() {
+                    ids.insert(id.to_string());
+                }
             }
         }
     }
-    for child in children {
-        let path = format!("/{rel}/{child}");
+    ids
+}
+
+/// Kills and removes the container cgroups `hako-<id>` of `ids` under a pod's cgroup: ones no
+/// record names any more (see `Runtime::remove_leftover_container_cgroups`).
+pub(super) async fn remove_container_cgroups(pod_cgroup: &str, ids: &[String]) {
+    let rel = pod_cgroup.trim_start_matches('/');
+    for id in ids {
+        let path = format!("/{rel}/hako-{id}");
         tracing::warn!(cgroup = %path, "removing the cgroup of a container whose create did not finish");
         end_cgroup(&path).await;
         remove_cgroup(&path);

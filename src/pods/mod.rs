@@ -294,12 +294,17 @@ impl Runtime {
         Ok(())
     }
 
-    /// Reserves `key` for `id`, with its release registered as the first undo step.
+    /// Reserves `key` for `id`, with its release registered as the first undo step. Callers
+    /// hold the name's lock and found it free; one held all the same is not taken.
     fn reserve(&self, key: &str, id: &str, undo: &mut Undo) -> Result<()> {
-        self.store.reserve(key, id)?;
-        let (store, key) = (self.store.clone(), key.to_string());
+        if let Some(other) = self.store.reserve(key, id)? {
+            return Err(Error::AlreadyExists(format!(
+                "name {key} is reserved by {other}"
+            )));
+        }
+        let (store, key, id) = (self.store.clone(), key.to_string(), id.to_string());
         undo.push(move || {
-            let _ = store.release(&key);
+            let _ = store.release(&key, &id);
         });
         Ok(())
     }

@@ -15,9 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
-use super::host::{
-    dir_names, kill_cgroup, kill_pod_processes, remove_cgroup, remove_leftover_container_cgroups,
-};
+use super::host::{dir_names, kill_cgroup, kill_pod_processes, remove_cgroup};
 use super::monitor_client::{MonitorClient, ADOPT_DEADLINE};
 use super::{
     apply_state, rootfs, ContainerRecord, ContainerState, ExitInfo, PodRecord, PodState, Runtime,
@@ -372,9 +370,10 @@ impl Runtime {
             .iter()
             .flat_map(|(_, ids)| ids.clone())
             .collect();
-        self.release_orphans(&pods, &containers, &keep, unsure)
+        let left_running = self
+            .release_orphans(&pods, &containers, &keep, unsure)
             .await?;
-        self.network_gc().await;
+        self.network_gc(&left_running).await;
         Ok(under_way)
     }
 
@@ -489,14 +488,15 @@ impl Runtime {
     /// not orphaned: one that kept no record is an unfinished start and is shut down; one that
     /// did not answer is left alone, and so are all record-less container files then (they may
     /// be its containers'), as they are when `unsure` (a recorded pod's monitor did not
-    /// answer, or kept a record-less container).
+    /// answer, or kept a record-less container). Returns the pods so left running.
     async fn release_orphans(
         &self,
         pods: &HashMap<String, Arc<PodRecord>>,
         containers: &HashSet<String>,
         under_way: &HashSet<String>,
         mut unsure: bool,
-    ) -> Result<()> {
+    ) -> Result<HashSet<String>> {
+        let mut left_running = HashSet::new();
         for id in dir_names(&self.state_dir.join("pods")) {
             if pods.contains_key(&id) {
                 continue;
@@ -514,6 +514,7 @@ impl Runtime {
                     _ => {
                         tracing::error!(pod = %id, "a live pod monitor holds a pod that has no record and could not be adopted: left running, with every container file no record owns");
                         unsure = true;
+                        left_running.insert(id);
                         continue;
                     }
                 }
@@ -521,10 +522,12 @@ impl Runtime {
                 tracing::warn!(pod = %id, "releasing the files of a pod whose monitor is gone and whose record was lost");
             }
             hako_runtime::monitor::unpin_namespaces(&dir);
-            let _ = std::fs::remove_dir_all(&dir);
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                tracing::warn!(pod = %id, dir = %dir.display(), error = %e, "could not remove the directory of a released pod: the next start tries again");
+            }
             // Its monitor is gone: what runs in hako's container cgroups below it is orphaned.
             let cgroup = format!("/hako/{id}");
-            remove_leftover_container_cgroups(&cgroup).await;
+            self.remove_leftover_container_cgroups(&id, &cgroup).await;
             remove_cgroup(&cgroup);
         }
         if !unsure {
@@ -558,7 +561,7 @@ impl Runtime {
                     holder,
                     "releasing a name reserved by an unfinished create"
                 );
-                self.store.release(&name)?;
+                self.store.release(&name, &holder)?;
             }
         }
         // Layers stay pinned for a container that may still be in a monitor (its overlay is
@@ -568,22 +571,24 @@ impl Runtime {
                 self.store.unpin(&owner)?;
             }
         }
-        Ok(())
+        Ok(left_running)
     }
 
     /// At start: running pods' attachments are CHECKed; attachments no pod owns (a pod removed
-    /// while its DEL failed, state lost) are deleted; with CNI 1.1 the plugins are also told
-    /// which attachments are valid. Failures are logged: they must not keep the daemon from
-    /// starting.
-    async fn network_gc(&self) {
+    /// while its DEL failed, state lost) are deleted, but not those of the pods `left_running`
+    /// (no record, a monitor that did not answer: see `release_orphans`); with CNI 1.1 the
+    /// plugins are also told which attachments are valid. Failures are logged: they must not
+    /// keep the daemon from starting.
+    async fn network_gc(&self, left_running: &HashSet<String>) {
         let pods: HashMap<String, Arc<PodRecord>> = match self.pods() {
             Ok(p) => p.into_iter().map(|p| (p.id.clone(), p)).collect(),
             Err(_) => return,
         };
         let mut valid = Vec::new();
         let (cached, unreadable) = self.network.cni.cached();
+        let owned = |id: &str| pods.contains_key(id) || left_running.contains(id);
         for (id, ifname) in unreadable {
-            if pods.contains_key(&id) {
+            if owned(&id) {
                 // Its stop DELs it with the pod's own attachment.
                 valid.push((id, ifname));
                 continue;
@@ -597,8 +602,11 @@ impl Runtime {
         }
         for c in cached {
             let id = c.attachment.container_id.clone();
-            if let Some(pod) = pods.get(&id) {
+            if owned(&id) {
                 valid.push((id.clone(), c.attachment.ifname.clone()));
+                let Some(pod) = pods.get(&id) else {
+                    continue;
+                };
                 // A running pod's network may have been changed while the daemon was down.
                 if pod.state == PodState::Ready && !c.result.is_null() {
                     match self.network.cni.check(&c).await {

@@ -12,8 +12,8 @@ use hako_proto::monitor as pb;
 use hako_runtime::monitor::{NamespaceSet, Options as MonitorOptions};
 
 use super::host::{
-    end_cgroup, kill_pod_processes, monitor_gone, now_nanos, remove_cgroup,
-    remove_leftover_container_cgroups,
+    container_cgroup_ids, end_cgroup, kill_pod_processes, monitor_gone, now_nanos, remove_cgroup,
+    remove_container_cgroups,
 };
 use super::monitor_client::{self, MonitorClient};
 use super::spec::{confined_cgroup_path, pod_cgroup};
@@ -408,6 +408,47 @@ impl Runtime {
             .map_err(|e| e.context(format!("tear down the network of pod {}", pod.id)))
     }
 
+    /// Kills and removes the container cgroups left under a pod's cgroup by creates that never
+    /// got a record (a monitor or daemon killed mid-create), or by deletes that found them still
+    /// in use (an exec's setup process dying under a spent CPU quota): no record names them any
+    /// more, so nothing else would. Called when the pod goes, after its recorded containers are
+    /// removed. The cgroups of other pods' containers are spared: kubelet gives every pod a
+    /// cgroup parent of its own, but any CRI client may give two pods the same one.
+    pub(super) async fn remove_leftover_container_cgroups(&self, pod_id: &str, pod_cgroup: &str) {
+        let found = container_cgroup_ids(pod_cgroup);
+        if found.is_empty() {
+            return;
+        }
+        // Read after the listing: a create reserves its id before its cgroup is made, so the
+        // create of another pod whose cgroup was listed holds its reservation or its record.
+        let mine = format!("ctr/{pod_id}/");
+        let others = self.store.reservations().and_then(|r| {
+            let recorded = self.store.all::<ContainerRecord>(Table::Containers)?;
+            Ok(r.into_iter()
+                .filter(|(key, _)| key.starts_with("ctr/") && !key.starts_with(&mine))
+                .map(|(_, id)| id)
+                .chain(
+                    recorded
+                        .into_iter()
+                        .filter(|c| c.pod_id != pod_id)
+                        .map(|c| c.id),
+                )
+                .collect::<std::collections::HashSet<String>>())
+        });
+        let others = match others {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(pod = %pod_id, cgroup = %pod_cgroup, error = %chain(&e), "container cgroups left under the pod's cgroup are kept: the store could not say whose they are");
+                return;
+            }
+        };
+        let leftovers: Vec<String> = found
+            .into_iter()
+            .filter(|id| !others.contains(id))
+            .collect();
+        remove_container_cgroups(pod_cgroup, &leftovers).await;
+    }
+
     /// RemovePodSandbox: stops it if needed, removes its containers and files. Idempotent.
     pub async fn remove_pod(&self, id: &str) -> Result<()> {
         let Some((pod, _guard)) = self.lock_pod(id).await? else {
@@ -424,7 +465,8 @@ impl Runtime {
                 return Err(Error::io("remove", &dir, e));
             }
         }
-        remove_leftover_container_cgroups(&pod_cgroup(&pod)).await;
+        self.remove_leftover_container_cgroups(&pod.id, &pod_cgroup(&pod))
+            .await;
         if pod.spec.cgroup_parent.is_empty() {
             // Ours (kubelet's parents are kubelet's): empty once the containers are deleted.
             if !remove_cgroup(&pod_cgroup(&pod)) {
@@ -432,7 +474,7 @@ impl Runtime {
             }
         }
         self.store.delete(Table::Pods, &pod.id)?;
-        self.store.release(&pod.spec.reservation())?;
+        self.store.release(&pod.spec.reservation(), &pod.id)?;
         tracing::info!(pod = %pod.id, "pod sandbox removed");
         Ok(())
     }

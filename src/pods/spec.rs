@@ -479,15 +479,32 @@ pub fn pod_cgroup(pod: &PodRecord) -> String {
         format!("/hako/{}", pod.id)
     } else {
         // Checked at RunPodSandbox; a record from before that check keeps its old path.
-        confined_cgroup_path(&pod.spec.cgroup_parent)
+        normalized_cgroup_path(&pod.spec.cgroup_parent)
             .unwrap_or_else(|_| cgroupfs_path(&pod.spec.cgroup_parent))
     }
 }
 
 /// A cgroup parent as a cgroupfs path that stays below the cgroup root: `..` anywhere (or a
 /// slice name that would make one) is refused, empty and `.` components are dropped. A
-/// parent outside the tree would leave the pod's containers without their limits.
+/// parent outside the tree would leave the pod's containers without their limits. So is a
+/// parent in hako's own cgroups, the pods' `/hako/<id>` and the containers' `hako-<id>`: a pod
+/// placed there would be killed by the kill of the cgroup it sits in (another pod's
+/// container's, whose kill walks the cgroups below).
 pub fn confined_cgroup_path(parent: &str) -> std::result::Result<String, &'static str> {
+    let clean = normalized_cgroup_path(parent)?;
+    let container_cgroup = |c: &str| {
+        c.strip_prefix("hako-")
+            .is_some_and(|id| id.len() == 64 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    if clean == "/hako" || clean.starts_with("/hako/") || clean.split('/').any(container_cgroup) {
+        return Err("is in hako's own cgroups (\"/hako\", a container's \"hako-<id>\")");
+    }
+    Ok(clean)
+}
+
+/// The cgroupfs path of a cgroup parent, `.` and empty components dropped; refused when it
+/// leaves the tree or is its root (see [`confined_cgroup_path`], which RunPodSandbox checks).
+fn normalized_cgroup_path(parent: &str) -> std::result::Result<String, &'static str> {
     if parent.contains('\0') {
         return Err("contains a NUL byte");
     }
@@ -1323,9 +1340,27 @@ mod tests {
             confined_cgroup_path("kubepods-burstable-pod1.slice").unwrap(),
             "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice"
         );
-        for bad in ["/kubepods/../../escape", "..", "/a/..", "/", "//", "a\0b"] {
+        for bad in [
+            "/kubepods/../../escape",
+            "..",
+            "/a/..",
+            "/",
+            "//",
+            "a\0b",
+            "/hako",
+            "hako/p1",
+            "//hako/./p1",
+            format!("/kubepods/pod1/hako-{}", "0a".repeat(32)).as_str(),
+        ] {
             assert!(confined_cgroup_path(bad).is_err(), "{bad:?}");
         }
+        for fine in ["/hakoish", "/hako-tenants/x", "/kubepods/hako-c1"] {
+            assert_eq!(confined_cgroup_path(fine).unwrap(), fine);
+        }
+        assert_eq!(
+            confined_cgroup_path("hako-batch.slice").unwrap(),
+            "/hako.slice/hako-batch.slice"
+        );
     }
 
     #[test]

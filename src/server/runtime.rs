@@ -82,7 +82,13 @@ where
 impl Runtime {
     /// Exec and Attach need the container running (kubelet's server checks the same): whom
     /// container `id`'s streaming sessions are counted to, once it is known to run.
-    async fn running(&self, rpc: &str, id: &str) -> Result<crate::streaming::Owner, Status> {
+    /// The owner of running container `id` and its full id: a stream's URL names the full id,
+    /// so a prefix cannot name another container by the time the URL is used.
+    async fn running(
+        &self,
+        rpc: &str,
+        id: &str,
+    ) -> Result<(crate::streaming::Owner, String), Status> {
         let v = self
             .daemon
             .runtime
@@ -104,10 +110,13 @@ impl Runtime {
             .pod_view(&v.record.pod_id)
             .await
             .map_err(|e| status(rpc, e))?;
-        Ok(crate::streaming::Owner {
-            pod: pod.record.id.clone(),
-            namespace: pod.record.spec.namespace.clone(),
-        })
+        Ok((
+            crate::streaming::Owner {
+                pod: pod.record.id.clone(),
+                namespace: pod.record.spec.namespace.clone(),
+            },
+            v.record.id.clone(),
+        ))
     }
 }
 
@@ -665,7 +674,7 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::ExecResponse>, Status> {
         let req = req.into_inner();
         tracing::debug!(rpc = "Exec", container = %req.container_id, cmd = ?req.cmd, tty = req.tty);
-        let owner = self.running("Exec", &req.container_id).await?;
+        let (owner, container_id) = self.running("Exec", &req.container_id).await?;
         let url = self
             .daemon
             .streaming()
@@ -673,7 +682,7 @@ impl RuntimeService for Runtime {
                 s.exec_url(
                     owner,
                     crate::streaming::ExecRequest {
-                        container_id: req.container_id,
+                        container_id,
                         cmd: req.cmd,
                         tty: req.tty,
                         stdin: req.stdin,
@@ -692,7 +701,7 @@ impl RuntimeService for Runtime {
     ) -> Result<Response<cri::AttachResponse>, Status> {
         let req = req.into_inner();
         tracing::debug!(rpc = "Attach", container = %req.container_id, tty = req.tty);
-        let owner = self.running("Attach", &req.container_id).await?;
+        let (owner, container_id) = self.running("Attach", &req.container_id).await?;
         let url = self
             .daemon
             .streaming()
@@ -700,7 +709,7 @@ impl RuntimeService for Runtime {
                 s.attach_url(
                     owner,
                     crate::streaming::AttachRequest {
-                        container_id: req.container_id,
+                        container_id,
                         tty: req.tty,
                         stdin: req.stdin,
                         stdout: req.stdout,

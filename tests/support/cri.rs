@@ -389,6 +389,21 @@ pub async fn remove_pod(rt: &mut Rt, pod: &str) {
     .unwrap();
 }
 
+/// StopContainer (no grace period) then RemoveContainer, both expected to succeed.
+pub async fn remove_container(rt: &mut Rt, id: &str) {
+    rt.stop_container(cri::StopContainerRequest {
+        container_id: id.into(),
+        timeout: 0,
+    })
+    .await
+    .unwrap();
+    rt.remove_container(cri::RemoveContainerRequest {
+        container_id: id.into(),
+    })
+    .await
+    .unwrap();
+}
+
 /// The host pid of a container's init, from the verbose ContainerStatus.
 pub async fn container_pid(rt: &mut Rt, id: &str) -> i32 {
     let info = rt
@@ -479,5 +494,14 @@ pub async fn wait_not_ready(rt: &mut Rt, pod: &str) {
             "the pod of a killed monitor was never reported NotReady"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Resumes a SIGSTOPped monitor when dropped, so a failing test does not leave it stopped.
+pub struct Resume(pub nix::unistd::Pid);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
     }
 }

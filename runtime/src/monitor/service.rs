@@ -1254,14 +1254,30 @@ impl Svc {
         Ok(pb::Empty {})
     }
 
-    async fn exec_sync(&self, req: pb::ExecSyncRequest) -> Result<pb::ExecSyncResponse, Status> {
+    /// ExecSync; `went` ends when the caller has gone (its gRPC call cancelled, its deadline
+    /// passed): an exec still waiting for its slot is not run then, and one running is killed,
+    /// as containerd does, instead of running on for nobody.
+    async fn exec_sync(
+        &self,
+        req: pb::ExecSyncRequest,
+        went: impl std::future::Future<Output = ()>,
+    ) -> Result<pb::ExecSyncResponse, Status> {
+        let mut went = std::pin::pin!(went);
+        let gone = |id: &str, when: &str| {
+            Status::cancelled(format!("exec in container {id}: the caller went {when}"))
+        };
+        // plan_exec awaits only its slot: dropped there, it has taken nothing.
+        let plan = tokio::select! {
+            plan = super::streams::plan_exec(&self.state, &req.id, &req.cmd, false) => plan?,
+            _ = &mut went => return Err(gone(&req.id, "before the exec ran")),
+        };
         let super::streams::ExecPlan {
             root,
             pfile,
             seccomp,
             hold,
             ..
-        } = super::streams::plan_exec(&self.state, &req.id, &req.cmd, false).await?;
+        } = plan;
         let (out_r, out_w) = pipe()?;
         let (err_r, err_w) = pipe()?;
         let id = req.id.clone();
@@ -1300,12 +1316,24 @@ impl Svc {
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let out = collect(out_r, stopped.clone())?;
         let errs = collect(err_r, stopped)?;
-        let waited = if req.timeout_ms > 0 {
-            tokio::time::timeout(Duration::from_millis(req.timeout_ms as u64), rx)
-                .await
-                .ok()
-        } else {
-            Some(rx.await)
+        let waited = tokio::select! {
+            // An exit that came first is the answer (the caller may still be there to read it).
+            biased;
+            w = async {
+                if req.timeout_ms > 0 {
+                    tokio::time::timeout(Duration::from_millis(req.timeout_ms as u64), rx)
+                        .await
+                        .ok()
+                } else {
+                    Some(rx.await)
+                }
+            } => w,
+            _ = &mut went => {
+                // Still the exec's pid: no exit came first, and only this thread reaps.
+                let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+                tracing::info!(container = %req.id, pid = pid.as_raw(), "the caller of an exec went: killed it");
+                return Err(gone(&req.id, "while the exec ran"));
+            }
         };
         let (exit_code, timed_out) = match waited {
             Some(Ok(WaitStatus::Exited(_, c))) => (c, false),
@@ -1445,6 +1473,13 @@ impl Svc {
             _ => None,
         };
         let answer = match wire::method(tag) {
+            Some(Method::ExecSync) => match pb::ExecSyncRequest::decode(body.as_slice()) {
+                Ok(req) => self
+                    .exec_sync(req, caller_went(&conn))
+                    .await
+                    .map(|r| r.encode_to_vec()),
+                Err(e) => Err(Status::invalid_argument(format!("bad request: {e}"))),
+            },
             Some(m) => self.dispatch(m, &body).await,
             None => Err(Status::new(
                 wire::code::UNIMPLEMENTED,
@@ -1488,13 +1523,14 @@ impl Svc {
             Method::State => self.state(decode(body)?).await?.encode_to_vec(),
             Method::Wait => self.wait(decode(body)?).await?.encode_to_vec(),
             Method::Delete => self.delete(decode(body)?).await?.encode_to_vec(),
-            Method::ExecSync => self.exec_sync(decode(body)?).await?.encode_to_vec(),
             Method::ReopenLog => self.reopen_log(decode(body)?).await?.encode_to_vec(),
             Method::Shutdown => self.shutdown(decode(body)?).await?.encode_to_vec(),
             Method::KeepRecord => self.keep_record(decode(body)?).await?.encode_to_vec(),
             Method::Events => self.events(decode(body)?).await?.encode_to_vec(),
-            Method::Exec | Method::Attach => {
-                return Err(Status::internal("streaming calls are answered in `answer`"))
+            Method::Exec | Method::Attach | Method::ExecSync => {
+                return Err(Status::internal(
+                    "streaming calls and ExecSync are answered in `answer`",
+                ))
             }
             Method::Unspecified => {
                 return Err(Status::new(
@@ -1518,6 +1554,24 @@ fn caller_gone(conn: &tokio::net::UnixStream) -> bool {
     // SAFETY: one pollfd for a descriptor the stream owns, no wait.
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n == 1 && p.revents & (libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Ends when the caller of a unary call has closed its connection: the daemon sends nothing
+/// after its call (and does not half-close), so a readable connection is one at its end.
+async fn caller_went(conn: &tokio::net::UnixStream) {
+    let mut byte = [0u8; 1];
+    loop {
+        if conn.readable().await.is_err() {
+            return;
+        }
+        match conn.try_read(&mut byte) {
+            Ok(0) => return,
+            // Not part of the protocol: ignored, as the rest of the call's bytes would be.
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return,
+        }
+    }
 }
 
 /// How long the monitor waits for a connected caller to send its call.

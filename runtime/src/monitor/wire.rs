@@ -51,6 +51,7 @@ pub fn method(b: u8) -> Option<Method> {
 /// gRPC status codes the monitor answers with (the daemon maps them as it maps its own).
 pub mod code {
     pub const OK: u8 = 0;
+    pub const CANCELLED: u8 = 1;
     pub const INVALID_ARGUMENT: u8 = 3;
     pub const NOT_FOUND: u8 = 5;
     pub const ALREADY_EXISTS: u8 = 6;
@@ -85,6 +86,10 @@ impl Status {
     }
     pub fn already_exists(m: impl Into<String>) -> Status {
         Status::new(code::ALREADY_EXISTS, m)
+    }
+    /// The caller went first: the answer has no reader, it only ends the call.
+    pub fn cancelled(m: impl Into<String>) -> Status {
+        Status::new(code::CANCELLED, m)
     }
     pub fn failed_precondition(m: impl Into<String>) -> Status {
         Status::new(code::FAILED_PRECONDITION, m)
