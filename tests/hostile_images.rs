@@ -2,7 +2,8 @@
 //! filesystem (its /etc/passwd and /etc/group): a symlinked /etc, account files that are a
 //! character device or a FIFO. Each create fails with an error naming the image and the file,
 //! or resolves inside the image, and never reads the host's files, blocks or balloons the
-//! daemon.
+//! daemon. And an image whose /dev is a symlink out of its root: the container's setup makes
+//! nothing on the host.
 
 mod support;
 
@@ -169,6 +170,90 @@ async fn account_files_resolve_inside_the_image_and_only_as_regular_files() {
         listed.is_empty(),
         "refused creates leave nothing: {listed:?}"
     );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
+/// A layer whose `dev` is a symlink to `target`, with a directory at `dir` (the path the link
+/// names, inside the image too: libcontainer's /dev mount, resolved in the root, then lands).
+fn dev_link(target: &str, dir: &str) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut path = String::new();
+    for c in dir.trim_start_matches('/').split('/') {
+        path.push_str(c);
+        path.push('/');
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Directory);
+        h.set_mode(0o755);
+        h.set_size(0);
+        h.set_mtime(1_700_000_000);
+        h.set_uid(0);
+        h.set_gid(0);
+        b.append_data(&mut h, &path, std::io::empty()).unwrap();
+    }
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Symlink);
+    h.set_mode(0o777);
+    h.set_size(0);
+    h.set_mtime(1_700_000_000);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_link_name(target).unwrap();
+    b.append_data(&mut h, "dev", std::io::empty()).unwrap();
+    b.into_inner().unwrap()
+}
+
+/// An image whose /dev is a symlink out of its root (absolute, or climbing with `..`): the
+/// container runs with a /dev of its own, and nothing is made where the link points on the
+/// host (libcontainer makes /dev's default links through plain paths before its pivot_root).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_image_whose_dev_is_a_symlink_makes_nothing_on_the_host() {
+    let Some((reg, h)) = ready().await else {
+        return;
+    };
+    let host = tempfile::tempdir().unwrap();
+    std::fs::write(host.path().join("ptmx"), "the host's own\n").unwrap();
+    let abs = host.path().display().to_string();
+    let rel = format!("../../../../../../..{abs}");
+    let mut names = Vec::new();
+    for (repo, target) in [("dev-abs", &abs), ("dev-rel", &rel)] {
+        names.push((
+            repo,
+            push_and_pull(&reg, &h, repo, dev_link(target, &abs)).await,
+        ));
+    }
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("devlink", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    for (repo, image) in &names {
+        let mut cc = container_config(repo, &["sleep", "60"]);
+        cc.image = Some(cri::ImageSpec {
+            image: image.clone(),
+            ..Default::default()
+        });
+        let id = run_container(&mut rt, &pod, &cfg, cc).await;
+        let left: Vec<_> = std::fs::read_dir(host.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(left, ["ptmx"], "{repo}: made on the host");
+        assert_eq!(
+            std::fs::read_to_string(host.path().join("ptmx")).unwrap(),
+            "the host's own\n"
+        );
+        assert_eq!(
+            exec(
+                &mut rt,
+                &id,
+                "[ -d /dev ] && [ ! -L /dev ] && [ -c /dev/null ] && [ -L /dev/fd ] && echo ok"
+            )
+            .await,
+            "ok",
+            "{repo}"
+        );
+    }
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

@@ -140,6 +140,8 @@ impl Runtime {
             &root,
             &self.volatile_layers,
         )?;
+        rootfs::own_dev_dir(&root)
+            .map_err(|e| e.context(format!("container {} of image {:?}", req.name, req.image)))?;
         let t_mounted = t0.elapsed();
         // Reads the image's account files, devices and profiles: bounded, but still file I/O,
         // so off the async workers. All of it before the spec, which is a pure function.

@@ -137,6 +137,29 @@ fn overlay(
         .map_err(|e| Error::io(op, target, e.into()))
 }
 
+/// Makes the container's `/dev` a directory of the writable layer when the image has it as
+/// anything else. libcontainer 0.7 mounts the `/dev` tmpfs resolving the path inside the root
+/// filesystem, but then makes the default links (`fd`, `stdin`, `stdout`, `stderr`, `kcore`,
+/// `ptmx`, removing a `ptmx` first) through plain `<rootfs>/dev/…` paths, before its
+/// pivot_root: an image whose `/dev` is a symlink would have them made, as root, in whatever
+/// host directory the link names. The tmpfs covers the directory either way.
+pub fn own_dev_dir(root: &Path) -> Result<()> {
+    let dev = root.join("dev");
+    let meta = match std::fs::symlink_metadata(&dev) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io("inspect", &dev, e)),
+    };
+    if meta.is_dir() {
+        return Ok(());
+    }
+    // Removed through the overlay: a whiteout in the writable layer, the image untouched.
+    std::fs::remove_file(&dev).map_err(|e| Error::io("remove the image's /dev at", &dev, e))?;
+    create_dirs(&dev, 0o755)?;
+    tracing::info!(path = %dev.display(), kind = ?meta.file_type(), "the image's /dev is not a directory: replaced by one in the writable layer");
+    Ok(())
+}
+
 /// Where a container's bundle keeps its image volumes' mounts, one directory per volume.
 pub const IMAGE_VOLUMES: &str = "imagevols";
 
