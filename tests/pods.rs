@@ -2780,3 +2780,76 @@ async fn an_exec_url_keeps_to_the_container_its_call_named() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// Mount propagation as CRI asks it: a host mount made under a volume after the containers
+/// started reaches the container that mounted the volume HostToContainer (rslave), and not the
+/// one that mounted it Private (rprivate, kubelet's default).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_private_volume_does_not_receive_later_host_mounts() {
+    use nix::mount::{mount, umount2, MntFlags, MsFlags};
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let host = tempfile::tempdir().unwrap();
+    let vol = host.path().join("vol");
+    std::fs::create_dir(&vol).unwrap();
+    // A shared mount, as volumes are on a systemd host, so mounts under it can propagate.
+    mount(
+        Some(&vol),
+        &vol,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .unwrap();
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = umount2(&self.0.join("sub"), MntFlags::MNT_DETACH);
+            let _ = umount2(&self.0, MntFlags::MNT_DETACH);
+        }
+    }
+    let _unmount = Unmount(vol.clone());
+    mount(
+        None::<&str>,
+        &vol,
+        None::<&str>,
+        MsFlags::MS_SHARED,
+        None::<&str>,
+    )
+    .unwrap();
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = pod_config("propagation", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let with_volume = |name: &str, propagation: cri::MountPropagation| {
+        let mut cc = container_config(name, &["sleep", "60"]);
+        cc.mounts = vec![cri::Mount {
+            container_path: "/vol".into(),
+            host_path: vol.display().to_string(),
+            propagation: propagation as i32,
+            ..Default::default()
+        }];
+        cc
+    };
+    let private = with_volume("private", cri::MountPropagation::PropagationPrivate);
+    let private = run_container(&mut rt, &pod, &cfg, private).await;
+    let slave = with_volume("slave", cri::MountPropagation::PropagationHostToContainer);
+    let slave = run_container(&mut rt, &pod, &cfg, slave).await;
+    let sub = vol.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    mount(
+        Some("tmpfs"),
+        &sub,
+        Some("tmpfs"),
+        MsFlags::empty(),
+        None::<&str>,
+    )
+    .unwrap();
+    std::fs::write(sub.join("marker"), "from the host").unwrap();
+    let read = "cat /vol/sub/marker 2>/dev/null || echo absent";
+    assert_eq!(exec(&mut rt, &slave, read).await, "from the host");
+    assert_eq!(exec(&mut rt, &private, read).await, "absent");
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

@@ -598,11 +598,16 @@ pub fn generate(s: &ContainerSpec) -> Spec {
     linux.set_sysctl(Some(s.sysctls.clone().into_iter().collect()));
     linux.set_devices((!s.devices.is_empty()).then(|| s.devices.iter().map(device_node).collect()));
     // Mount events only cross into (rslave) or out of (rshared) the container when its root
-    // itself propagates them, as containerd sets it.
+    // itself propagates them, as containerd sets it. Otherwise private: libcontainer 0.7 binds
+    // a volume as a clone of the root's copy of its source and never applies the mount's own
+    // propagation, so under the slave root runc would use (and then make each private volume
+    // private) a Private volume would still receive the host's later mounts.
     if s.mounts.iter().any(|m| m.propagation == "rshared") {
         linux.set_rootfs_propagation(Some("shared".into()));
     } else if s.mounts.iter().any(|m| m.propagation == "rslave") {
         linux.set_rootfs_propagation(Some("slave".into()));
+    } else {
+        linux.set_rootfs_propagation(Some("private".into()));
     }
     let caps_list = capabilities(s);
     let seccomp = match &s.seccomp {
@@ -1025,6 +1030,14 @@ mod tests {
                 assert_eq!(process(s).oom_score_adj(), Some(-998));
                 assert_eq!(linux(s).rootfs_propagation().as_deref(), Some("slave"));
             },
+        );
+    }
+
+    #[test]
+    fn the_root_is_private_unless_a_mount_propagates() {
+        check(
+            |_| {},
+            |s| assert_eq!(linux(s).rootfs_propagation().as_deref(), Some("private")),
         );
     }
 
