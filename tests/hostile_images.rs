@@ -257,3 +257,44 @@ async fn an_image_whose_dev_is_a_symlink_makes_nothing_on_the_host() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// An image that links a volume's destination to /dev (`data -> /dev`): the create is refused,
+/// naming the mount, and nothing is made in the volume (libcontainer would have bound it over
+/// /dev and made /dev's links and device nodes in it, on the host).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_linked_onto_dev_by_the_image_is_refused() {
+    let Some((reg, h)) = ready().await else {
+        return;
+    };
+    let top = special("data", tar::EntryType::Symlink, Some("/dev"));
+    let image = push_and_pull(&reg, &h, "data-dev", top).await;
+    let volume = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut rt = h.runtime().await;
+    let cfg = pod_config("datadev", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut cc = container_config("c", &["sleep", "60"]);
+    cc.image = Some(cri::ImageSpec {
+        image: image.clone(),
+        ..Default::default()
+    });
+    cc.mounts = vec![cri::Mount {
+        container_path: "/data".into(),
+        host_path: volume.path().display().to_string(),
+        ..Default::default()
+    }];
+    let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains("/data") && e.message().contains("the image's /dev"),
+        "{e:?}"
+    );
+    let made: Vec<_> = std::fs::read_dir(volume.path())
+        .unwrap()
+        .flatten()
+        .collect();
+    assert!(made.is_empty(), "made in the volume: {made:?}");
+    assert!(all_containers(&mut rt).await.is_empty());
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

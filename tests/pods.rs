@@ -2853,3 +2853,35 @@ async fn a_private_volume_does_not_receive_later_host_mounts() {
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }
+
+/// A mount at /dev (a device plugin's hostPath /dev, say) is refused with the reason, whatever
+/// the spelling, and leaves nothing: libcontainer 0.7 would make /dev's links in the host's
+/// /dev and then fail the create on the first one there.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_mount_at_dev_is_refused_with_its_reason() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = pod_config("devmount", logs.path());
+    let pod = run_pod(&mut rt, &cfg).await;
+    for dest in ["/dev", "/dev/", "//dev/.", "/tmp/../dev"] {
+        let mut cc = container_config("c", &["sleep", "60"]);
+        cc.mounts = vec![cri::Mount {
+            container_path: dest.into(),
+            host_path: "/dev".into(),
+            ..Default::default()
+        }];
+        let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{dest}: {e:?}");
+        assert!(
+            e.message()
+                .contains(&format!("a mount at {dest} is not supported")),
+            "{dest}: {e:?}"
+        );
+    }
+    assert!(all_containers(&mut rt).await.is_empty());
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}

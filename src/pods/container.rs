@@ -142,6 +142,11 @@ impl Runtime {
         )?;
         rootfs::own_dev_dir(&root)
             .map_err(|e| e.context(format!("container {} of image {:?}", req.name, req.image)))?;
+        rootfs::refuse_mounts_on_dev(
+            &root,
+            &req.name,
+            req.mounts.iter().map(|m| m.container_path.as_str()),
+        )?;
         let t_mounted = t0.elapsed();
         // Reads the image's account files, devices and profiles: bounded, but still file I/O,
         // so off the async workers. All of it before the spec, which is a pure function.

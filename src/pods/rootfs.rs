@@ -160,6 +160,57 @@ pub fn own_dev_dir(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a mount whose destination is the container's `/dev`, named so or reached through
+/// the image's symlinks (`/data -> /dev`). libcontainer 0.7 makes /dev's links (removing a
+/// `ptmx` first) and device nodes after the mounts, with no way to skip that as runc does for
+/// a bind on /dev: they would be made in the mounted directory, as root (in a hostPath, on the
+/// host; for the host's own /dev, a `kcore` link there, then the create fails on `fd`).
+pub fn refuse_mounts_on_dev<'a>(
+    root: &Path,
+    container: &str,
+    destinations: impl IntoIterator<Item = &'a str>,
+) -> Result<()> {
+    use nix::fcntl::OFlag;
+    use std::os::unix::fs::MetadataExt;
+    let id = |fd: std::os::fd::OwnedFd| {
+        std::fs::File::from(fd)
+            .metadata()
+            .map(|m| (m.dev(), m.ino()))
+            .ok()
+    };
+    let dev = crate::inroot::open(root, "/dev", OFlag::O_PATH | OFlag::O_DIRECTORY)
+        .ok()
+        .and_then(id);
+    for dest in destinations {
+        // As the kernel resolves it inside the root: `..` stops at the root.
+        let mut parts = Vec::new();
+        for c in dest.split('/') {
+            match c {
+                "" | "." => {}
+                ".." => {
+                    parts.pop();
+                }
+                c => parts.push(c),
+            }
+        }
+        let named = parts == ["dev"];
+        let reached = dev.is_some()
+            && crate::inroot::open(root, dest, OFlag::O_PATH)
+                .ok()
+                .and_then(id)
+                == dev;
+        if named || reached {
+            return Err(Error::InvalidArgument(format!(
+                "container {container}: a mount at {dest}{} is not supported: hako's executor \
+                 (libcontainer 0.7) sets up /dev's devices and links after the mounts, which would \
+                 make them in the mounted directory; mount the device paths needed instead",
+                if named { "" } else { " (the image's /dev)" }
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Where a container's bundle keeps its image volumes' mounts, one directory per volume.
 pub const IMAGE_VOLUMES: &str = "imagevols";
 
