@@ -174,35 +174,6 @@ async fn account_files_resolve_inside_the_image_and_only_as_regular_files() {
     assert_no_leaks(&h, &pod);
 }
 
-/// A layer whose `dev` is a symlink to `target`, with a directory at `dir` (the path the link
-/// names, inside the image too: libcontainer's /dev mount, resolved in the root, then lands).
-fn dev_link(target: &str, dir: &str) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    let mut path = String::new();
-    for c in dir.trim_start_matches('/').split('/') {
-        path.push_str(c);
-        path.push('/');
-        let mut h = tar::Header::new_gnu();
-        h.set_entry_type(tar::EntryType::Directory);
-        h.set_mode(0o755);
-        h.set_size(0);
-        h.set_mtime(1_700_000_000);
-        h.set_uid(0);
-        h.set_gid(0);
-        b.append_data(&mut h, &path, std::io::empty()).unwrap();
-    }
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(tar::EntryType::Symlink);
-    h.set_mode(0o777);
-    h.set_size(0);
-    h.set_mtime(1_700_000_000);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_link_name(target).unwrap();
-    b.append_data(&mut h, "dev", std::io::empty()).unwrap();
-    b.into_inner().unwrap()
-}
-
 /// An image whose /dev is a symlink out of its root (absolute, or climbing with `..`): the
 /// container runs with a /dev of its own, and nothing is made where the link points on the
 /// host (libcontainer makes /dev's default links through plain paths before its pivot_root).
@@ -217,10 +188,11 @@ async fn an_image_whose_dev_is_a_symlink_makes_nothing_on_the_host() {
     let rel = format!("../../../../../../..{abs}");
     let mut names = Vec::new();
     for (repo, target) in [("dev-abs", &abs), ("dev-rel", &rel)] {
-        names.push((
-            repo,
-            push_and_pull(&reg, &h, repo, dev_link(target, &abs)).await,
-        ));
+        // The directory the link names, inside the image too: libcontainer's /dev mount,
+        // resolved in the root, then lands.
+        let mut top = oci::Tar::default();
+        top.dir(&abs, 0o755).symlink("dev", target);
+        names.push((repo, push_and_pull(&reg, &h, repo, top.finish()).await));
     }
     let logs = tempfile::tempdir().unwrap();
     let mut rt = h.runtime().await;

@@ -1707,17 +1707,7 @@ async fn layers_in_use_by_a_container_survive_remove_and_gc() {
         "the container still runs on its layers"
     );
 
-    rt.stop_container(cri::StopContainerRequest {
-        container_id: ctr.clone(),
-        timeout: 0,
-    })
-    .await
-    .unwrap();
-    rt.remove_container(cri::RemoveContainerRequest {
-        container_id: ctr.clone(),
-    })
-    .await
-    .unwrap();
+    c::remove_container(&mut rt, &ctr).await;
     c::remove_pod(&mut rt, &pod).await;
     // Pulled again before any GC: the kept layer is reused, not downloaded.
     pull(&h, IMAGE).await.unwrap();

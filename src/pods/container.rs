@@ -140,17 +140,19 @@ impl Runtime {
             &root,
             &self.volatile_layers,
         )?;
-        rootfs::own_dev_dir(&root)
-            .map_err(|e| e.context(format!("container {} of image {:?}", req.name, req.image)))?;
-        rootfs::refuse_mounts_on_dev(
-            &root,
-            &req.name,
-            req.mounts.iter().map(|m| m.container_path.as_str()),
-        )?;
         let t_mounted = t0.elapsed();
-        // Reads the image's account files, devices and profiles: bounded, but still file I/O,
-        // so off the async workers. All of it before the spec, which is a pure function.
+        // Checks the rootfs's /dev and reads the image's account files, devices and profiles:
+        // bounded, but still file I/O, so off the async workers. All of it before the spec,
+        // which is a pure function.
         let planned = tokio::task::block_in_place(|| {
+            rootfs::own_dev_dir(&root).map_err(|e| {
+                e.context(format!("container {} of image {:?}", req.name, req.image))
+            })?;
+            rootfs::refuse_mounts_on_dev(
+                &root,
+                &req.name,
+                req.mounts.iter().map(|m| m.container_path.as_str()),
+            )?;
             let req = self.mount_image_volumes(&bundle, &req, &volume_images)?;
             let inputs = self.spec_inputs(&pod, &id, &req, &config, &root, target_pid)?;
             let planned = spec::container_spec(&pod, &id, &req, &config, inputs)?;

@@ -172,6 +172,10 @@ pub fn refuse_mounts_on_dev<'a>(
 ) -> Result<()> {
     use nix::fcntl::OFlag;
     use std::os::unix::fs::MetadataExt;
+    let destinations: Vec<&str> = destinations.into_iter().collect();
+    if destinations.is_empty() {
+        return Ok(());
+    }
     let id = |fd: std::os::fd::OwnedFd| {
         std::fs::File::from(fd)
             .metadata()
