@@ -2854,11 +2854,13 @@ async fn a_private_volume_does_not_receive_later_host_mounts() {
     assert_no_leaks(&h, &pod);
 }
 
-/// A mount at /dev (a device plugin's hostPath /dev, say) is refused with the reason, whatever
-/// the spelling, and leaves nothing: libcontainer 0.7 would make /dev's links in the host's
-/// /dev and then fail the create on the first one there.
+/// A host directory mounted on /dev (a CSI or device plugin's hostPath /dev), however spelt,
+/// is what the container sees there, with the mounts below /dev on top of it (kubelet's
+/// termination log); and what libcontainer makes in /dev (links, device nodes, `ptmx`) is not
+/// made in it: not in a directory given, not in the host's own /dev.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_mount_at_dev_is_refused_with_its_reason() {
+async fn a_host_directory_on_dev_is_mounted_over_what_libcontainer_made() {
+    use std::os::unix::fs::FileTypeExt;
     let Some((_reg, h)) = ready().await else {
         return;
     };
@@ -2866,22 +2868,143 @@ async fn a_mount_at_dev_is_refused_with_its_reason() {
     let logs = tempfile::tempdir().unwrap();
     let cfg = pod_config("devmount", logs.path());
     let pod = run_pod(&mut rt, &cfg).await;
-    for dest in ["/dev", "/dev/", "//dev/.", "/tmp/../dev"] {
-        let mut cc = container_config("c", &["sleep", "60"]);
-        cc.mounts = vec![cri::Mount {
-            container_path: dest.into(),
-            host_path: "/dev".into(),
-            ..Default::default()
-        }];
-        let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
-        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{dest}: {e:?}");
-        assert!(
-            e.message()
-                .contains(&format!("a mount at {dest} is not supported")),
-            "{dest}: {e:?}"
+    let host = tempfile::tempdir().unwrap();
+    let listing = |dir: &std::path::Path| {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    for (i, dest) in ["/dev", "//dev/.", "/tmp/../dev"].into_iter().enumerate() {
+        let dev = host.path().join(format!("dev{i}"));
+        std::fs::create_dir(&dev).unwrap();
+        std::fs::write(dev.join("marker"), dest).unwrap();
+        let log = host.path().join(format!("log{i}"));
+        std::fs::write(&log, "").unwrap();
+        let mut cc = container_config(&format!("c{i}"), &["sleep", "60"]);
+        cc.mounts = vec![
+            // Given first, as kubelet does: it still lands on the /dev mount.
+            cri::Mount {
+                container_path: "/dev/termination-log".into(),
+                host_path: log.display().to_string(),
+                ..Default::default()
+            },
+            cri::Mount {
+                container_path: dest.into(),
+                host_path: dev.display().to_string(),
+                ..Default::default()
+            },
+        ];
+        let id = run_container(&mut rt, &pod, &cfg, cc).await;
+        assert_eq!(exec(&mut rt, &id, "cat /dev/marker").await, dest);
+        exec(&mut rt, &id, "echo done > /dev/termination-log").await;
+        assert_eq!(std::fs::read_to_string(&log).unwrap(), "done\n", "{dest}");
+        // Besides the marker, only the mount points of the termination log and of the
+        // container's own shared memory, as a bind on /dev gets from runc: no fd, stdin,
+        // kcore, ptmx, null...
+        assert_eq!(
+            listing(&dev),
+            ["marker", "shm", "termination-log"],
+            "{dest}"
         );
+        // The container's own shared memory, not the directory's.
+        exec(&mut rt, &id, "echo x > /dev/shm/own").await;
+        assert!(!dev.join("shm/own").exists(), "{dest}");
     }
-    assert!(all_containers(&mut rt).await.is_empty());
+
+    // A mount point that is a symlink in the directory given: refused with its reason, and
+    // the container created meanwhile is gone with everything it had.
+    let dev = host.path().join("linked");
+    std::fs::create_dir(&dev).unwrap();
+    std::os::unix::fs::symlink("/etc/hostname", dev.join("termination-log")).unwrap();
+    let log = host.path().join("linked.log");
+    std::fs::write(&log, "").unwrap();
+    let mut cc = container_config("linked", &["sleep", "60"]);
+    cc.mounts = vec![
+        cri::Mount {
+            container_path: "/dev".into(),
+            host_path: dev.display().to_string(),
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/dev/termination-log".into(),
+            host_path: log.display().to_string(),
+            ..Default::default()
+        },
+    ];
+    let before = all_containers(&mut rt).await.len();
+    let sorted = |mut v: Vec<std::path::PathBuf>| {
+        v.sort();
+        v
+    };
+    let cgroups = sorted(container_cgroups(&pod));
+    let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("/dev/termination-log is a symlink"),
+        "{e:?}"
+    );
+    assert_eq!(all_containers(&mut rt).await.len(), before);
+    assert_eq!(
+        sorted(container_cgroups(&pod)),
+        cgroups,
+        "the failed container's cgroups are gone"
+    );
+
+    // The host's own /dev: its devices are there, and its ptmx is still its device.
+    let ptmx = std::fs::symlink_metadata("/dev/ptmx").unwrap();
+    assert!(ptmx.file_type().is_char_device());
+    let before = listing(std::path::Path::new("/dev"));
+    let log = host.path().join("hostdev.log");
+    std::fs::write(&log, "").unwrap();
+    let mut cc = container_config("hostdev", &["sleep", "60"]);
+    // Read-only, with kubelet's termination log below it (its mount point is made in the
+    // host's /dev, as runc makes it).
+    cc.mounts = vec![
+        cri::Mount {
+            container_path: "/dev".into(),
+            host_path: "/dev".into(),
+            readonly: true,
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/dev/termination-log".into(),
+            host_path: log.display().to_string(),
+            ..Default::default()
+        },
+    ];
+    let had_log = std::path::Path::new("/dev/termination-log").exists();
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    exec(&mut rt, &id, "echo done > /dev/termination-log").await;
+    assert_eq!(std::fs::read_to_string(&log).unwrap(), "done\n");
+    // Its own shared memory, not the node's.
+    exec(&mut rt, &id, "echo x > /dev/shm/hako-test-own-shm").await;
+    assert!(!std::path::Path::new("/dev/shm/hako-test-own-shm").exists());
+    assert_eq!(
+        exec(&mut rt, &id, "test -c /dev/loop-control && echo yes").await,
+        "yes"
+    );
+    assert_eq!(
+        exec(&mut rt, &id, "touch /dev/x 2>&1 || echo refused")
+            .await
+            .lines()
+            .last(),
+        Some("refused"),
+        "readOnly holds"
+    );
+    let mut after = listing(std::path::Path::new("/dev"));
+    after.retain(|n| n != "termination-log" || had_log);
+    assert_eq!(after, before);
+    assert!(std::fs::symlink_metadata("/dev/ptmx")
+        .unwrap()
+        .file_type()
+        .is_char_device());
     remove_pod(&mut rt, &pod).await;
+    if !had_log {
+        // Once no container has it as a mount point.
+        let _ = std::fs::remove_file("/dev/termination-log");
+    }
     assert_no_leaks(&h, &pod);
 }

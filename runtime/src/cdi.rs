@@ -1186,6 +1186,14 @@ fn apply_one(
         }
     }
     for m in &e.mounts {
+        // It would replace libcontainer's /dev, which then makes its links and device nodes
+        // in the mounted directory.
+        if crate::spec::names_dev(&m.container_path) {
+            return Err(refuse(format!(
+                "a mount on {} is not supported (devices go in deviceNodes)",
+                m.container_path
+            )));
+        }
         let mut options = m.options.clone();
         let kind = m.kind.clone().unwrap_or_else(|| "bind".into());
         // As runc does, an option that is no mount flag goes to mount(2) as data (tmpfs's
@@ -2349,6 +2357,33 @@ mod tests {
             e.contains("/etc/cdi/y.json") && e.contains("/nonexistent"),
             "{e}"
         );
+
+        // A mount on /dev would replace libcontainer's, which then fills the host directory.
+        for dest in ["/dev", "/dev/", "/usr/../dev"] {
+            let e = apply(
+                &mut spec,
+                &Resolved {
+                    edits: vec![(
+                        PathBuf::from("/etc/cdi/z.json"),
+                        Edits {
+                            mounts: vec![MountEdit {
+                                host_path: "/dev".into(),
+                                container_path: dest.into(),
+                                ..Default::default()
+                            }],
+                            ..Default::default()
+                        },
+                    )],
+                    ..Default::default()
+                },
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains(&format!("a mount on {dest} is not supported")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

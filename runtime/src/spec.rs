@@ -392,9 +392,65 @@ fn default_mounts(s: &ContainerSpec) -> Vec<oci::Mount> {
     m
 }
 
+/// `dest`'s components as the kernel walks them from the root without symlinks: `.` and
+/// empty ones dropped, `..` stopping at the root.
+fn lexical_parts(dest: &str) -> Vec<&str> {
+    let mut parts = Vec::new();
+    for c in dest.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            c => parts.push(c),
+        }
+    }
+    parts
+}
+
+/// Whether the mount destination `dest` is /dev itself, however spelt (`//dev/.`,
+/// `/tmp/../dev`), symlinks aside.
+pub fn names_dev(dest: &str) -> bool {
+    lexical_parts(dest) == ["dev"]
+}
+
+/// The mounts the monitor makes once libcontainer has created the container, before it
+/// starts, instead of the spec: with a mount on /dev itself, that one and every mount below
+/// /dev, shallowest first (a stable sort, so mounts at one depth keep their order, the last
+/// on top), each destination spelt plainly (`/dev/x`, as the kernel would walk it without
+/// symlinks). libcontainer 0.7 makes /dev's device nodes and links after the spec's mounts,
+/// into whatever is mounted on /dev; runc skips them for a bind there. So libcontainer fills
+/// its own tmpfs and these go on top of it. Without a mount on /dev: none.
+pub fn late_mounts(s: &ContainerSpec) -> Vec<Mount> {
+    let mut late: Vec<(usize, Mount)> = s
+        .mounts
+        .iter()
+        .filter(|m| is_late(s, m))
+        .map(|m| {
+            let parts = lexical_parts(&m.destination);
+            let mut m = m.clone();
+            m.destination = format!("/{}", parts.join("/"));
+            (parts.len(), m)
+        })
+        .collect();
+    late.sort_by_key(|(depth, _)| *depth);
+    late.into_iter().map(|(_, m)| m).collect()
+}
+
+/// Whether the mount destination `dest` is /dev or below it, symlinks aside.
+pub fn at_or_below_dev(dest: &str) -> bool {
+    lexical_parts(dest).first() == Some(&"dev")
+}
+
+/// Whether `m` is one of `s`'s [`late_mounts`].
+fn is_late(s: &ContainerSpec, m: &Mount) -> bool {
+    at_or_below_dev(&m.destination) && s.mounts.iter().any(|m| names_dev(&m.destination))
+}
+
 fn user_mounts(s: &ContainerSpec) -> Vec<oci::Mount> {
     s.mounts
         .iter()
+        .filter(|mt| !is_late(s, mt))
         .map(|mt| {
             let mut opts = vec!["rbind"];
             opts.push(if mt.propagation.is_empty() {
@@ -977,6 +1033,46 @@ mod tests {
                 );
             },
         );
+    }
+
+    #[test]
+    fn a_mount_on_dev_takes_the_mounts_below_dev_out_of_the_spec() {
+        let bind = |dest: &str, source: &str| Mount {
+            destination: dest.into(),
+            source: source.into(),
+            readonly: false,
+            propagation: "rprivate".into(),
+            recursive_readonly: false,
+            options: Vec::new(),
+        };
+        let mut s = base();
+        s.mounts = vec![
+            bind("/dev/termination-log", "/t"),
+            bind("/data", "/srv"),
+            bind("/dev/shm", "/shm"),
+            bind("//dev/.", "/dev"),
+            bind("/devices", "/d"),
+        ];
+        let late: Vec<String> = late_mounts(&s).into_iter().map(|m| m.destination).collect();
+        // /dev first however spelt and wherever given; the rest in their order.
+        assert_eq!(late, ["/dev", "/dev/termination-log", "/dev/shm"]);
+        let spec = generate(&s);
+        let binds: Vec<String> = spec
+            .mounts()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .filter(|m| m.typ().as_deref() == Some("bind"))
+            .map(|m| m.destination().display().to_string())
+            .collect();
+        assert_eq!(binds, ["/data", "/devices"]);
+        // libcontainer still gets its own /dev to fill.
+        assert_eq!(mount_at(&spec, "/dev").len(), 1);
+
+        // Without a mount on /dev itself, the mounts below it stay in the spec.
+        s.mounts.remove(3);
+        assert!(late_mounts(&s).is_empty());
+        assert_eq!(mount_at(&generate(&s), "/dev/termination-log").len(), 1);
     }
 
     #[test]

@@ -172,6 +172,19 @@ impl Runtime {
         if !cdi_names.is_empty() {
             tracing::info!(container = %id, devices = ?cdi_names, "CDI devices injected");
         }
+        let late_mounts = hako_runtime::spec::late_mounts(&cs);
+        // A CDI mount below /dev would be made before, and so under, the /dev given.
+        if let Some(m) = oci.mounts().iter().flatten().find(|m| {
+            !late_mounts.is_empty()
+                && m.typ().as_deref() == Some("bind")
+                && hako_runtime::spec::at_or_below_dev(&m.destination().to_string_lossy())
+        }) {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: CDI mount {} below /dev together with a mount on /dev is not supported",
+                req.name,
+                m.destination().display()
+            )));
+        }
         let cfg = bundle.join("config.json");
         oci.save(&cfg)
             .map_err(|e| Error::Internal(format!("write {}: {e}", cfg.display())))?;
@@ -186,8 +199,32 @@ impl Runtime {
             tty: req.tty,
             // The full id: the request may have named the target by a prefix.
             pid_target: target.map(|(id, _)| id).unwrap_or_default(),
+            late_mounts: late_mounts
+                .into_iter()
+                .map(|m| pb::LateMount {
+                    source: m.source,
+                    destination: m.destination,
+                    readonly: m.readonly,
+                    recursive_readonly: m.recursive_readonly,
+                    propagation: m.propagation,
+                    options: m.options,
+                })
+                .collect(),
         };
-        if let Err(e) = monitor.create(&create).await {
+        let created = monitor.create(&create).await;
+        if let Ok(r) = &created {
+            if (r.late_mounts as usize) < create.late_mounts.len() {
+                if let Err(e) = monitor.delete(&id, true).await {
+                    tracing::warn!(container = %id, error = %e, "remove the container its monitor made without its mounts on /dev");
+                }
+                return Err(Error::FailedPrecondition(format!(
+                    "create container {} in pod {}: the pod's monitor predates mounts on /dev \
+                     (hako was upgraded since the pod started): recreate the pod",
+                    req.name, pod.id
+                )));
+            }
+        }
+        if let Err(e) = created {
             // A monitor found gone turns the pod NotReady here, not only at the next relist:
             // the create then fails for good instead of UNAVAILABLE on every retry.
             self.check_monitor_locked(&pod, &e)?;

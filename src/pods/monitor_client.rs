@@ -322,7 +322,10 @@ impl MonitorClient {
             .await
     }
 
-    pub async fn create(&self, req: &pb::CreateContainerRequest) -> Result<u32> {
+    pub async fn create(
+        &self,
+        req: &pb::CreateContainerRequest,
+    ) -> Result<pb::CreateContainerResponse> {
         let r: pb::CreateContainerResponse = self
             .call_within(
                 Method::CreateContainer,
@@ -331,7 +334,7 @@ impl MonitorClient {
                 Some(SLOW_CALL_DEADLINE),
             )
             .await?;
-        Ok(r.pid)
+        Ok(r)
     }
 
     pub async fn start(&self, id: &str) -> Result<pb::ContainerState> {

@@ -160,11 +160,11 @@ pub fn own_dev_dir(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Refuses a mount whose destination is the container's `/dev`, named so or reached through
-/// the image's symlinks (`/data -> /dev`). libcontainer 0.7 makes /dev's links (removing a
-/// `ptmx` first) and device nodes after the mounts, with no way to skip that as runc does for
-/// a bind on /dev: they would be made in the mounted directory, as root (in a hostPath, on the
-/// host; for the host's own /dev, a `kcore` link there, then the create fails on `fd`).
+/// Refuses a mount whose destination reaches the container's `/dev` through the image's
+/// symlinks (`/data -> /dev`). A mount named `/dev` is made over libcontainer's /dev once the
+/// container is created (`spec::late_mounts`); one reaching it under another name would be
+/// made before, and libcontainer 0.7 would then make /dev's links (removing a `ptmx` first)
+/// and device nodes in the mounted directory, as root.
 pub fn refuse_mounts_on_dev<'a>(
     root: &Path,
     container: &str,
@@ -172,7 +172,10 @@ pub fn refuse_mounts_on_dev<'a>(
 ) -> Result<()> {
     use nix::fcntl::OFlag;
     use std::os::unix::fs::MetadataExt;
-    let destinations: Vec<&str> = destinations.into_iter().collect();
+    let destinations: Vec<&str> = destinations
+        .into_iter()
+        .filter(|d| !hako_runtime::spec::names_dev(d))
+        .collect();
     if destinations.is_empty() {
         return Ok(());
     }
@@ -182,33 +185,22 @@ pub fn refuse_mounts_on_dev<'a>(
             .map(|m| (m.dev(), m.ino()))
             .ok()
     };
-    let dev = crate::inroot::open(root, "/dev", OFlag::O_PATH | OFlag::O_DIRECTORY)
+    let Some(dev) = crate::inroot::open(root, "/dev", OFlag::O_PATH | OFlag::O_DIRECTORY)
         .ok()
-        .and_then(id);
+        .and_then(id)
+    else {
+        return Ok(());
+    };
     for dest in destinations {
-        // As the kernel resolves it inside the root: `..` stops at the root.
-        let mut parts = Vec::new();
-        for c in dest.split('/') {
-            match c {
-                "" | "." => {}
-                ".." => {
-                    parts.pop();
-                }
-                c => parts.push(c),
-            }
-        }
-        let named = parts == ["dev"];
-        let reached = dev.is_some()
-            && crate::inroot::open(root, dest, OFlag::O_PATH)
-                .ok()
-                .and_then(id)
-                == dev;
-        if named || reached {
+        if crate::inroot::open(root, dest, OFlag::O_PATH)
+            .ok()
+            .and_then(id)
+            == Some(dev)
+        {
             return Err(Error::InvalidArgument(format!(
-                "container {container}: a mount at {dest}{} is not supported: hako's executor \
-                 (libcontainer 0.7) sets up /dev's devices and links after the mounts, which would \
-                 make them in the mounted directory; mount the device paths needed instead",
-                if named { "" } else { " (the image's /dev)" }
+                "container {container}: a mount at {dest} (the image's /dev) is not supported: \
+                 hako's executor (libcontainer 0.7) sets up /dev's devices and links after the \
+                 mounts, which would make them in the mounted directory; mount it at /dev"
             )));
         }
     }

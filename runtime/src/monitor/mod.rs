@@ -17,6 +17,7 @@
 
 mod infra;
 mod joined_pid;
+mod late_mounts;
 pub mod log;
 mod service;
 mod streams;

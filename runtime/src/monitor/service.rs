@@ -16,7 +16,7 @@ use tokio::io::AsyncReadExt;
 use prost::Message as _;
 
 use super::wire::{self, Method, Status, EXEC_OUTPUT_CAP};
-use super::{infra, joined_pid, now_nanos, reap, streams, Ctr, Phase, Shared};
+use super::{infra, joined_pid, late_mounts, now_nanos, reap, streams, Ctr, Phase, Shared};
 use crate::logs::{LogWriter, Stream};
 
 #[derive(Clone)]
@@ -890,6 +890,7 @@ impl Svc {
         let started = std::time::Instant::now();
         let hook_bundle = bundle.clone();
         let target_name = req.pid_target.clone();
+        let late = req.late_mounts.clone();
         let inherit = Inherit {
             stdio: Some([stdin, out_w, err_w]),
             named: console
@@ -920,7 +921,7 @@ impl Svc {
                         e.chain()
                     )),
                 })?;
-            let c = ContainerBuilder::new(id.clone(), SyscallType::default())
+            let mut c = ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(Workload { seccomp: None })
                 .with_root_path(root)
                 .map_err(|e| lc_err("state root", e))?
@@ -933,8 +934,20 @@ impl Svc {
                 .with_detach(true)
                 .build()
                 .map_err(|e| lc_err(format!("create container {id}"), e))?;
-            c.pid()
-                .ok_or_else(|| Status::internal("created container has no pid"))
+            let pid = c
+                .pid()
+                .ok_or_else(|| Status::internal("created container has no pid"))?;
+            // Before the late mounts, which may put a host directory on /dev.
+            crate::cdi::fix_device_dirs(pid.as_raw(), &bundle_for_helper);
+            if let Err(e) = late_mounts::apply(pid, &id, &late) {
+                if let Err(d) = c.delete(true) {
+                    // At least its init goes: nobody would ever start or reap it.
+                    let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+                    tracing::warn!(container = %id, error = %d, "remove the container whose late mounts failed");
+                }
+                return Err(e);
+            }
+            Ok(pid)
         })
         .await
         .map_err(|e| with_hook_report(&hook_bundle, e))?;
@@ -951,7 +964,6 @@ impl Svc {
                 req.id
             )));
         }
-        crate::cdi::fix_device_dirs(pid.as_raw(), &bundle);
         tracing::debug!(container = %req.id, ms = started.elapsed().as_secs_f64() * 1e3, "libcontainer create");
         let fanout = streams::Fanout::default();
         let (mut stdin_w, mut console_fd) = (stdin_w, None);
@@ -1011,6 +1023,7 @@ impl Svc {
         tracing::info!(container = %req.id, pid = pid.as_raw(), "container created");
         Ok(pb::CreateContainerResponse {
             pid: pid.as_raw() as u32,
+            late_mounts: req.late_mounts.len() as u32,
         })
     }
 

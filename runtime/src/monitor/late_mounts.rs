@@ -1,0 +1,441 @@
+//! Bind mounts made once libcontainer has created a container, before it starts: a host
+//! directory on /dev (a CSI or device plugin's hostPath `/dev`) and the mounts below it.
+//!
+//! Why not in the spec: libcontainer 0.7 makes /dev's links (`fd`, `stdin`, `kcore`, `ptmx`,
+//! removing a `ptmx` first) and device nodes after the spec's mounts, in whatever is mounted
+//! on /dev, where runc skips them for a bind on /dev. Given the host's /dev, that would
+//! replace the host's `/dev/ptmx`. So the spec keeps libcontainer's own tmpfs on /dev (the
+//! daemon leaves these mounts out of it, `spec::late_mounts`), and here each source is cloned
+//! with `open_tree` in the monitor's mount namespace (the host's), then moved onto its
+//! destination from inside the container's and given its flags and propagation there, in
+//! order, as libcontainer mounts: what a later mount lands on already carries the earlier
+//! ones. Destinations resolve inside the container's root, which nothing of the container
+//! has run in yet.
+
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+use hako_proto::monitor as pb;
+use nix::sched::{setns, CloneFlags};
+use nix::unistd::{fork, ForkResult, Pid};
+
+use super::wire::Status;
+
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
+const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+const MOUNT_ATTR_ATIME: u64 = 0x70;
+const MOUNT_ATTR_NOATIME: u64 = 0x10;
+const MOUNT_ATTR_NODIRATIME: u64 = 0x80;
+
+/// mount_setattr(2)'s argument.
+#[repr(C)]
+#[derive(Default)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+fn last_err(what: String) -> String {
+    format!("{what}: {}", std::io::Error::last_os_error())
+}
+
+fn cstr(s: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("{s:?} contains a NUL byte"))
+}
+
+/// A detached copy of the mount tree at `source` (the whole tree below it too), as a bind
+/// mount of it would be.
+fn clone_tree(source: &str) -> std::io::Result<OwnedFd> {
+    let path = CString::new(source).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_RECURSIVE as u32;
+    // SAFETY: open_tree reads the NUL-terminated path and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, path.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(unsafe_owned(fd as i32))
+}
+
+fn setattr(tree: &OwnedFd, recursive: bool, attr: &MountAttr, what: &str) -> Result<(), String> {
+    let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
+    if recursive {
+        flags |= libc::AT_RECURSIVE as libc::c_uint;
+    }
+    // SAFETY: mount_setattr reads the empty path and `attr`, of the size given.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            flags,
+            attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r != 0 {
+        return Err(last_err(format!("set {what}")));
+    }
+    Ok(())
+}
+
+/// The flags of `m`: those of the whole tree, then those of its top mount only (Kubernetes'
+/// readOnly, the atime modes, as the spec's bind mounts get them).
+fn attrs(m: &pb::LateMount) -> Result<(MountAttr, MountAttr), String> {
+    let mut tree = MountAttr {
+        propagation: match m.propagation.as_str() {
+            "" | "rprivate" => libc::MS_PRIVATE,
+            "rslave" => libc::MS_SLAVE,
+            "rshared" => libc::MS_SHARED,
+            p => {
+                return Err(format!(
+                    "propagation {p:?} is not rprivate, rslave or rshared"
+                ))
+            }
+        },
+        ..Default::default()
+    };
+    let mut top = MountAttr::default();
+    if m.recursive_readonly {
+        tree.attr_set |= MOUNT_ATTR_RDONLY;
+    }
+    if m.readonly {
+        top.attr_set |= MOUNT_ATTR_RDONLY;
+    }
+    for o in &m.options {
+        match o.as_str() {
+            "noexec" => tree.attr_set |= MOUNT_ATTR_NOEXEC,
+            "nodev" => tree.attr_set |= MOUNT_ATTR_NODEV,
+            "nosuid" => tree.attr_set |= MOUNT_ATTR_NOSUID,
+            "ro" => top.attr_set |= MOUNT_ATTR_RDONLY,
+            "noatime" => {
+                top.attr_clr |= MOUNT_ATTR_ATIME;
+                top.attr_set |= MOUNT_ATTR_NOATIME;
+            }
+            "nodiratime" => top.attr_set |= MOUNT_ATTR_NODIRATIME,
+            o => return Err(format!("option {o:?} is not supported here")),
+        }
+    }
+    Ok((tree, top))
+}
+
+/// The mount point `dest` (absolute, no `.` or `..`) below `root` as an O_PATH fd; with
+/// `make`, made if missing (its missing parents as directories; itself a directory for a
+/// directory tree, else an empty file), else `None` then. Walked one component at a time, never through a symlink: the
+/// host's /dev is not the container's to trust, nor are its world-writable directories, and
+/// a magic link of /proc (a host-PID pod's /proc/self/fd) would lead out of the container.
+fn mount_point(
+    root: &OwnedFd,
+    dest: &str,
+    dir: bool,
+    make: bool,
+) -> Result<Option<OwnedFd>, String> {
+    use nix::fcntl::{openat, OFlag};
+    use nix::sys::stat::{mkdirat, Mode};
+    let fail = |what: &str, e: nix::Error| format!("{what} the mount point {dest}: {e}");
+    let open = |at: &OwnedFd, name: &str, flags: OFlag| {
+        openat(
+            Some(at.as_raw_fd()),
+            name,
+            flags | OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        // SAFETY: a new fd, ours alone.
+        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+    };
+    let parts: Vec<&str> = dest.split('/').filter(|p| !p.is_empty()).collect();
+    let Some((last, parents)) = parts.split_last() else {
+        return Err(format!("{dest:?} is no mount point"));
+    };
+    let mut at = root.try_clone().map_err(|e| format!("{dest}: {e}"))?;
+    for name in parents {
+        at = match open(&at, name, OFlag::O_DIRECTORY) {
+            Err(nix::Error::ENOENT) if !make => return Ok(None),
+            Err(nix::Error::ENOENT) => {
+                match mkdirat(Some(at.as_raw_fd()), *name, Mode::from_bits_truncate(0o755)) {
+                    Ok(()) | Err(nix::Error::EEXIST) => {}
+                    Err(e) => return Err(fail("create a directory on the way to", e)),
+                }
+                open(&at, name, OFlag::O_DIRECTORY)
+            }
+            r => r,
+        }
+        .map_err(|e| fail("walk to", e))?;
+    }
+    let made = match open(&at, last, OFlag::empty()) {
+        Err(nix::Error::ENOENT) if !make => return Ok(None),
+        Err(nix::Error::ENOENT) if dir => {
+            match mkdirat(Some(at.as_raw_fd()), *last, Mode::from_bits_truncate(0o755)) {
+                Ok(()) | Err(nix::Error::EEXIST) => open(&at, last, OFlag::empty()),
+                Err(e) => return Err(fail("create", e)),
+            }
+        }
+        Err(nix::Error::ENOENT) => {
+            match openat(
+                Some(at.as_raw_fd()),
+                *last,
+                OFlag::O_CREAT
+                    | OFlag::O_EXCL
+                    | OFlag::O_WRONLY
+                    | OFlag::O_NOFOLLOW
+                    | OFlag::O_CLOEXEC,
+                Mode::from_bits_truncate(0o644),
+            ) {
+                Ok(fd) => drop(unsafe_owned(fd)),
+                Err(nix::Error::EEXIST) => {}
+                Err(e) => return Err(fail("create", e)),
+            }
+            open(&at, last, OFlag::empty())
+        }
+        r => r,
+    }
+    .map_err(|e| fail("open", e))?;
+    let st = nix::sys::stat::fstat(made.as_raw_fd()).map_err(|e| fail("inspect", e))?;
+    if st.st_mode & libc::S_IFMT == libc::S_IFLNK {
+        return Err(format!("the mount point {dest} is a symlink"));
+    }
+    Ok(Some(made))
+}
+
+fn unsafe_owned(fd: std::os::fd::RawFd) -> OwnedFd {
+    // SAFETY: a new fd, just returned by a successful open, ours alone.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+/// Whether the detached tree `tree` is a directory's (else a file's).
+fn is_dir(tree: &OwnedFd) -> Result<bool, String> {
+    let st = nix::sys::stat::fstat(tree.as_raw_fd()).map_err(|e| format!("inspect: {e}"))?;
+    Ok(st.st_mode & libc::S_IFMT == libc::S_IFDIR)
+}
+
+fn move_onto(tree: &OwnedFd, target: &OwnedFd, what: &str) -> Result<(), String> {
+    // SAFETY: move_mount reads two empty NUL-terminated paths and takes the fds as they are.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            target.as_raw_fd(),
+            c"".as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+        )
+    };
+    if r != 0 {
+        return Err(last_err(format!("mount {what}")));
+    }
+    Ok(())
+}
+
+/// What libcontainer mounted below its /dev that the container keeps over a /dev given to
+/// it: its own shared memory (never the host's, which any process of the node writes), its
+/// message queues, its own terminals, and its console.
+/// Only a missing `shm` gets a mount point made (in the directory given: the host's /dev
+/// has one); without one of the others the container goes without it.
+const OWN: &[&str] = &["shm", "mqueue", "pts", "console"];
+
+/// In the child, inside the container's mount namespace: each clone onto its destination,
+/// its propagation and whole-tree flags set before (as the spec's bind would have them from
+/// the start), its top mount's flags once all are in place (a read-only /dev still takes the
+/// termination log's mount point).
+fn attach(mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result<(), String> {
+    use nix::fcntl::OFlag;
+    let root = nix::fcntl::open(
+        "/",
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map(unsafe_owned)
+    .map_err(|e| format!("open the container's root: {e}"))?;
+    // libcontainer's own mounts below /dev, cloned before anything covers them; one a mount
+    // given to the container replaces is left under it.
+    let mut own = Vec::new();
+    for name in OWN {
+        let dest = format!("/dev/{name}");
+        if mounts.iter().any(|m| m.destination == dest) {
+            continue;
+        }
+        let path = cstr(&format!("dev/{name}"))?;
+        let flags = OPEN_TREE_CLONE
+            | libc::O_CLOEXEC as libc::c_uint
+            | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint;
+        // SAFETY: open_tree reads the NUL-terminated path and returns a new fd or -1.
+        let fd =
+            unsafe { libc::syscall(libc::SYS_open_tree, root.as_raw_fd(), path.as_ptr(), flags) };
+        if fd >= 0 {
+            own.push((dest, unsafe_owned(fd as i32)));
+        } else if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
+            return Err(last_err(format!("keep the container's {dest}")));
+        }
+    }
+    for (i, (m, tree)) in mounts.iter().zip(trees).enumerate() {
+        let dest = &m.destination;
+        let (all, _) = attrs(m)?;
+        setattr(tree, true, &all, &format!("the flags of {dest}"))?;
+        let target = mount_point(&root, dest, is_dir(tree)?, true)?.expect("made");
+        move_onto(tree, &target, &format!("{} on {dest}", m.source))?;
+        // Once the mounts on /dev itself are made (the first, shallowest), the container's
+        // own go back on top, before the mounts below /dev that may name paths in them.
+        let last_on_dev = mounts.get(i + 1).is_none_or(|n| n.destination != "/dev");
+        if m.destination == "/dev" && last_on_dev {
+            for (dest, tree) in own.drain(..) {
+                let make = dest == "/dev/shm";
+                if let Some(target) = mount_point(&root, &dest, is_dir(&tree)?, make)? {
+                    move_onto(&tree, &target, &format!("the container's own {dest}"))?;
+                }
+            }
+        }
+    }
+    for (m, tree) in mounts.iter().zip(trees) {
+        let (_, top) = attrs(m)?;
+        if top.attr_set != 0 || top.attr_clr != 0 {
+            setattr(
+                tree,
+                false,
+                &top,
+                &format!("the flags of {}", m.destination),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Makes `mounts` (destinations as `spec::late_mounts` gives them: absolute, without `.` or
+/// `..`, the first on /dev) in the mount namespace of `init`, the created container's waiting
+/// init. Runs in the monitor's helper (single-threaded); the namespace is entered by a child of
+/// its own, so the helper's root and directories stay the host's.
+pub(super) fn apply(init: Pid, container: &str, mounts: &[pb::LateMount]) -> Result<(), Status> {
+    if mounts.is_empty() {
+        return Ok(());
+    }
+    let failed = |e: String| Status::internal(format!("container {container}: {e}"));
+    for m in mounts {
+        // Checked before anything is mounted.
+        attrs(m).map_err(|e| failed(format!("mount {}: {e}", m.destination)))?;
+        if m.destination.split('/').any(|p| p == "." || p == "..")
+            || !m.destination.starts_with("/dev")
+        {
+            return Err(failed(format!(
+                "late mount destination {:?} is not below /dev",
+                m.destination
+            )));
+        }
+    }
+    let ns_path = format!("/proc/{}/ns/mnt", init.as_raw());
+    let ns = std::fs::File::open(&ns_path).map_err(|e| failed(format!("open {ns_path}: {e}")))?;
+    // The init is the helper's child, so its pid cannot name another process yet; but should
+    // this ever be the helper's own namespace (the host's), nothing is mounted.
+    let same = |a: &std::fs::File, b: &std::fs::File| {
+        use std::os::unix::fs::MetadataExt;
+        matches!((a.metadata(), b.metadata()), (Ok(a), Ok(b)) if (a.dev(), a.ino()) == (b.dev(), b.ino()))
+    };
+    let own_ns = std::fs::File::open("/proc/self/ns/mnt")
+        .map_err(|e| failed(format!("open /proc/self/ns/mnt: {e}")))?;
+    if same(&ns, &own_ns) {
+        return Err(failed(format!(
+            "process {init} is in the monitor's mount namespace, not a container's"
+        )));
+    }
+    let mut trees = Vec::with_capacity(mounts.len());
+    for m in mounts {
+        trees.push(clone_tree(&m.source).map_err(|e| {
+            let msg = format!(
+                "mount {}: clone the mounts at {}: {e}",
+                m.destination, m.source
+            );
+            match e.kind() {
+                std::io::ErrorKind::NotFound => {
+                    Status::not_found(format!("container {container}: {msg}"))
+                }
+                _ => failed(msg),
+            }
+        })?);
+    }
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| failed(format!("pipe: {e}")))?;
+    // SAFETY: the helper is single-threaded (forked from the single-threaded monitor).
+    match unsafe { fork() }.map_err(|e| failed(format!("fork: {e}")))? {
+        ForkResult::Child => {
+            drop(r);
+            // SAFETY: prctl on this process only; it goes with the helper.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+            // A panic must end this process here, reported: unwound, it would reach the
+            // helper's own handling as if this were the helper.
+            let result = std::panic::catch_unwind(|| {
+                setns(&ns, CloneFlags::CLONE_NEWNS)
+                    .map_err(|e| format!("enter the container's mount namespace: {e}"))
+                    .and_then(|()| attach(mounts, &trees))
+            })
+            .unwrap_or_else(|_| Err("the mounting process panicked".into()));
+            let msg = match result {
+                Ok(()) => "ok".to_string(),
+                Err(e) => e,
+            };
+            let _ = std::fs::File::from(w).write_all(msg.as_bytes());
+            // SAFETY: leave without running the helper's destructors or atexit handlers.
+            unsafe { libc::_exit(0) }
+        }
+        ForkResult::Parent { child } => {
+            drop(w);
+            let mut msg = String::new();
+            let _ = std::fs::File::from(r).read_to_string(&mut msg);
+            let _ = nix::sys::wait::waitpid(child, None);
+            match msg.as_str() {
+                "ok" => Ok(()),
+                "" => Err(failed("the mounting process died".into())),
+                // What is on the way (a symlink, a read-only parent) or the kernel: the
+                // node's state, not the request's form.
+                _ => Err(Status::failed_precondition(format!(
+                    "container {container}: {msg}{}",
+                    if msg.contains("Function not implemented") {
+                        " (mounts on /dev need Linux 5.12: open_tree, move_mount, mount_setattr)"
+                    } else {
+                        ""
+                    }
+                ))),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn late(readonly: bool, rro: bool, propagation: &str, options: &[&str]) -> pb::LateMount {
+        pb::LateMount {
+            source: "/dev".into(),
+            destination: "/dev".into(),
+            readonly,
+            recursive_readonly: rro,
+            propagation: propagation.into(),
+            options: options.iter().map(|o| o.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn flags_split_between_the_tree_and_its_top_mount() {
+        let (tree, top) = attrs(&late(true, false, "rslave", &["nodev", "noatime"])).unwrap();
+        assert_eq!(
+            (tree.attr_set, tree.propagation),
+            (MOUNT_ATTR_NODEV, libc::MS_SLAVE)
+        );
+        assert_eq!(
+            (top.attr_set, top.attr_clr),
+            (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOATIME, MOUNT_ATTR_ATIME)
+        );
+        let (tree, top) = attrs(&late(false, true, "", &[])).unwrap();
+        assert_eq!(
+            (tree.attr_set, tree.propagation, top.attr_set),
+            (MOUNT_ATTR_RDONLY, libc::MS_PRIVATE, 0)
+        );
+        assert!(attrs(&late(false, false, "shared", &[])).is_err());
+        assert!(attrs(&late(false, false, "rshared", &["exec"])).is_err());
+    }
+}
