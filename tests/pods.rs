@@ -2960,6 +2960,8 @@ async fn a_host_directory_on_dev_is_mounted_over_what_libcontainer_made() {
     let log = host.path().join("hostdev.log");
     std::fs::write(&log, "").unwrap();
     let mut cc = container_config("hostdev", &["sleep", "60"]);
+    // With a terminal: its pty and console are its own, over the host's.
+    cc.tty = true;
     // Read-only, with kubelet's termination log below it (its mount point is made in the
     // host's /dev, as runc makes it).
     cc.mounts = vec![
@@ -2979,6 +2981,15 @@ async fn a_host_directory_on_dev_is_mounted_over_what_libcontainer_made() {
     let id = run_container(&mut rt, &pod, &cfg, cc).await;
     exec(&mut rt, &id, "echo done > /dev/termination-log").await;
     assert_eq!(std::fs::read_to_string(&log).unwrap(), "done\n");
+    assert_eq!(
+        exec(
+            &mut rt,
+            &id,
+            "test -c /dev/pts/0 && test -c /dev/console && ls /dev/pts"
+        )
+        .await,
+        "0\nptmx"
+    );
     // Its own shared memory, not the node's.
     exec(&mut rt, &id, "echo x > /dev/shm/hako-test-own-shm").await;
     assert!(!std::path::Path::new("/dev/shm/hako-test-own-shm").exists());
