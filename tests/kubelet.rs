@@ -479,6 +479,22 @@ const NEVER: &str = r#"  terminationGracePeriodSeconds: 1
     command: ["sh", "-c", "echo bye; exit 7"]
 "#;
 
+/// A device or CSI node plugin's shape: privileged, the host's /dev mounted on /dev, and
+/// kubelet's termination log below it.
+const HOST_DEV: &str = r#"  terminationGracePeriodSeconds: 1
+  restartPolicy: Never
+  volumes:
+  - name: dev
+    hostPath: {path: /dev}
+  containers:
+  - name: plugin
+    image: IMAGE
+    imagePullPolicy: IfNotPresent
+    securityContext: {privileged: true}
+    volumeMounts: [{name: dev, mountPath: /dev}]
+    command: ["sh", "-c", "test -c /dev/loop-control && echo host-devices-seen > /dev/termination-log"]
+"#;
+
 /// The directory of `pid`'s cgroup for `controller` (a v1 hierarchy of that name, else the
 /// v2 one), and whether it is v2.
 fn cgroup_dir(pid: i32, controller: &str) -> (PathBuf, bool) {
@@ -1052,6 +1068,27 @@ async fn kubelet_runs_static_pods_on_hako() {
     );
     k.remove_manifest("crashing");
     k.remove_manifest("never");
+
+    // A plugin on the host's /dev sees the host's devices and reports through kubelet's
+    // termination log, mounted on top of it.
+    let had_log = Path::new("/dev/termination-log").exists();
+    k.write_manifest("hostdev", &manifest("hostdev", HOST_DEV));
+    let hostdev = k
+        .wait_pod("the pod on the host's /dev to succeed", "hostdev", |p| {
+            p["status"]["phase"] == "Succeeded"
+        })
+        .await;
+    let plugin = container_status(&hostdev, "plugin").unwrap();
+    assert_eq!(
+        plugin["state"]["terminated"]["message"], "host-devices-seen\n",
+        "{plugin}"
+    );
+    k.remove_manifest("hostdev");
+    if !had_log {
+        // The mount point made in the host's /dev, as runc makes it (the container has
+        // exited: no namespace holds it).
+        let _ = std::fs::remove_file("/dev/termination-log");
+    }
 
     // Restarting hako, gracefully then with kill -9, under the running kubelet restarts no
     // container: the attempts hako runs and kubelet's restart counts stay as they were.
