@@ -2836,6 +2836,16 @@ async fn a_private_volume_does_not_receive_later_host_mounts() {
     let private = run_container(&mut rt, &pod, &cfg, private).await;
     let slave = with_volume("slave", cri::MountPropagation::PropagationHostToContainer);
     let slave = run_container(&mut rt, &pod, &cfg, slave).await;
+    // Both in one container: the HostToContainer volume makes its root a slave, and
+    // libcontainer would give the Private one the root's propagation.
+    let mut both = with_volume("both", cri::MountPropagation::PropagationHostToContainer);
+    both.mounts.push(cri::Mount {
+        container_path: "/private".into(),
+        host_path: vol.display().to_string(),
+        propagation: cri::MountPropagation::PropagationPrivate as i32,
+        ..Default::default()
+    });
+    let both = run_container(&mut rt, &pod, &cfg, both).await;
     let sub = vol.join("sub");
     std::fs::create_dir(&sub).unwrap();
     mount(
@@ -2850,6 +2860,16 @@ async fn a_private_volume_does_not_receive_later_host_mounts() {
     let read = "cat /vol/sub/marker 2>/dev/null || echo absent";
     assert_eq!(exec(&mut rt, &slave, read).await, "from the host");
     assert_eq!(exec(&mut rt, &private, read).await, "absent");
+    assert_eq!(exec(&mut rt, &both, read).await, "from the host");
+    assert_eq!(
+        exec(
+            &mut rt,
+            &both,
+            "cat /private/sub/marker 2>/dev/null || echo absent"
+        )
+        .await,
+        "absent"
+    );
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

@@ -437,6 +437,40 @@ pub fn late_mounts(s: &ContainerSpec) -> Vec<Mount> {
     late.into_iter().map(|(_, m)| m).collect()
 }
 
+/// The propagation of the container's root, as a mount option: shared with a Bidirectional
+/// mount, a slave with a HostToContainer one, private otherwise (see `generate`).
+fn root_propagation(s: &ContainerSpec) -> &'static str {
+    if s.mounts.iter().any(|m| m.propagation == "rshared") {
+        "rshared"
+    } else if s.mounts.iter().any(|m| m.propagation == "rslave") {
+        "rslave"
+    } else {
+        "rprivate"
+    }
+}
+
+/// The volumes (destination, propagation) whose propagation the monitor sets once the
+/// container is created: libcontainer 0.7 binds each as a copy of the root's view of its
+/// source and never applies the mount's own propagation, so under a shared or slave root (a
+/// Bidirectional or HostToContainer mount in the container) a Private volume would receive
+/// the host's later mounts, or under a shared one send the container's to the host. Only
+/// those whose wish differs from the root's; the late mounts get theirs where they are made.
+pub fn propagation_fixes(s: &ContainerSpec) -> Vec<(String, String)> {
+    let root = root_propagation(s);
+    s.mounts
+        .iter()
+        .filter(|m| !is_late(s, m))
+        .filter_map(|m| {
+            let want = if m.propagation.is_empty() {
+                "rprivate"
+            } else {
+                m.propagation.as_str()
+            };
+            (want != root).then(|| (m.destination.clone(), want.to_string()))
+        })
+        .collect()
+}
+
 /// Whether the mount destination `dest` is /dev or below it, symlinks aside.
 pub fn at_or_below_dev(dest: &str) -> bool {
     lexical_parts(dest).first() == Some(&"dev")
@@ -658,13 +692,9 @@ pub fn generate(s: &ContainerSpec) -> Spec {
     // a volume as a clone of the root's copy of its source and never applies the mount's own
     // propagation, so under the slave root runc would use (and then make each private volume
     // private) a Private volume would still receive the host's later mounts.
-    if s.mounts.iter().any(|m| m.propagation == "rshared") {
-        linux.set_rootfs_propagation(Some("shared".into()));
-    } else if s.mounts.iter().any(|m| m.propagation == "rslave") {
-        linux.set_rootfs_propagation(Some("slave".into()));
-    } else {
-        linux.set_rootfs_propagation(Some("private".into()));
-    }
+    linux.set_rootfs_propagation(Some(
+        root_propagation(s).trim_start_matches('r').to_string(),
+    ));
     let caps_list = capabilities(s);
     let seccomp = match &s.seccomp {
         _ if s.privileged => None,
@@ -1073,6 +1103,39 @@ mod tests {
         s.mounts.remove(3);
         assert!(late_mounts(&s).is_empty());
         assert_eq!(mount_at(&generate(&s), "/dev/termination-log").len(), 1);
+    }
+
+    #[test]
+    fn volumes_whose_propagation_differs_from_the_roots_are_fixed_after_the_create() {
+        let bind = |dest: &str, propagation: &str| Mount {
+            destination: dest.into(),
+            source: "/srv".into(),
+            readonly: false,
+            propagation: propagation.into(),
+            recursive_readonly: false,
+            options: Vec::new(),
+        };
+        let mut s = base();
+        s.mounts = vec![bind("/a", ""), bind("/b", "rprivate")];
+        assert!(propagation_fixes(&s).is_empty(), "all private, as the root");
+        s.mounts.push(bind("/c", "rslave"));
+        assert_eq!(
+            propagation_fixes(&s),
+            [("/a", "rprivate"), ("/b", "rprivate")].map(|(d, p)| (d.to_string(), p.to_string()))
+        );
+        s.mounts.push(bind("/d", "rshared"));
+        // Under a shared root the slave one is fixed too; a mount on /dev is made by the
+        // monitor with its own.
+        s.mounts.push(bind("/dev", "rprivate"));
+        assert_eq!(
+            propagation_fixes(&s),
+            [("/a", "rprivate"), ("/b", "rprivate"), ("/c", "rslave")]
+                .map(|(d, p)| (d.to_string(), p.to_string()))
+        );
+        assert_eq!(
+            linux(&generate(&s)).rootfs_propagation().as_deref(),
+            Some("shared")
+        );
     }
 
     #[test]

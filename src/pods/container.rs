@@ -173,6 +173,7 @@ impl Runtime {
             tracing::info!(container = %id, devices = ?cdi_names, "CDI devices injected");
         }
         let late_mounts = hako_runtime::spec::late_mounts(&cs);
+        let propagation_fixes = hako_runtime::spec::propagation_fixes(&cs);
         // A CDI mount below /dev would be made before, and so under, the /dev given.
         if let Some(m) = oci.mounts().iter().flatten().find(|m| {
             !late_mounts.is_empty()
@@ -210,16 +211,26 @@ impl Runtime {
                     options: m.options,
                 })
                 .collect(),
+            propagation_fixes: propagation_fixes
+                .into_iter()
+                .map(|(destination, propagation)| pb::PropagationFix {
+                    destination,
+                    propagation,
+                })
+                .collect(),
         };
         let created = monitor.create(&create).await;
         if let Ok(r) = &created {
-            if (r.late_mounts as usize) < create.late_mounts.len() {
+            if (r.late_mounts as usize) < create.late_mounts.len()
+                || (r.propagation_fixes as usize) < create.propagation_fixes.len()
+            {
                 if let Err(e) = monitor.delete(&id, true).await {
-                    tracing::warn!(container = %id, error = %e, "remove the container its monitor made without its mounts on /dev");
+                    tracing::warn!(container = %id, error = %e, "remove the container its monitor made without its mounts on /dev or volume propagation");
                 }
                 return Err(Error::FailedPrecondition(format!(
                     "create container {} in pod {}: the pod's monitor predates mounts on /dev \
-                     (hako was upgraded since the pod started): recreate the pod",
+                     and per-volume propagation (hako was upgraded since the pod started): \
+                     recreate the pod",
                     req.name, pod.id
                 )));
             }

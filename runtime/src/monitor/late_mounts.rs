@@ -11,6 +11,9 @@
 //! order, as libcontainer mounts: what a later mount lands on already carries the earlier
 //! ones. Destinations resolve inside the container's root, which nothing of the container
 //! has run in yet.
+//!
+//! The same child then sets the propagation of the volumes libcontainer made with the root's
+//! instead of their own (`spec::propagation_fixes`).
 
 use std::ffi::CString;
 use std::io::{Read, Write};
@@ -90,16 +93,7 @@ fn setattr(tree: &OwnedFd, recursive: bool, attr: &MountAttr, what: &str) -> Res
 /// readOnly, the atime modes, as the spec's bind mounts get them).
 fn attrs(m: &pb::LateMount) -> Result<(MountAttr, MountAttr), String> {
     let mut tree = MountAttr {
-        propagation: match m.propagation.as_str() {
-            "" | "rprivate" => libc::MS_PRIVATE,
-            "rslave" => libc::MS_SLAVE,
-            "rshared" => libc::MS_SHARED,
-            p => {
-                return Err(format!(
-                    "propagation {p:?} is not rprivate, rslave or rshared"
-                ))
-            }
-        },
+        propagation: propagation(&m.propagation)?,
         ..Default::default()
     };
     let mut top = MountAttr::default();
@@ -233,6 +227,18 @@ fn move_onto(tree: &OwnedFd, target: &OwnedFd, what: &str) -> Result<(), String>
     Ok(())
 }
 
+/// The root of the mount namespace entered: the container's (setns sets it).
+fn container_root() -> Result<OwnedFd, String> {
+    use nix::fcntl::OFlag;
+    nix::fcntl::open(
+        "/",
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map(unsafe_owned)
+    .map_err(|e| format!("open the container's root: {e}"))
+}
+
 /// What libcontainer mounted below its /dev that the container keeps over a /dev given to
 /// it: its own shared memory (never the host's, which any process of the node writes), its
 /// message queues, its own terminals, and its console.
@@ -244,15 +250,10 @@ const OWN: &[&str] = &["shm", "mqueue", "pts", "console"];
 /// its propagation and whole-tree flags set before (as the spec's bind would have them from
 /// the start), its top mount's flags once all are in place (a read-only /dev still takes the
 /// termination log's mount point).
-fn attach(mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result<(), String> {
-    use nix::fcntl::OFlag;
-    let root = nix::fcntl::open(
-        "/",
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )
-    .map(unsafe_owned)
-    .map_err(|e| format!("open the container's root: {e}"))?;
+fn attach(root: &OwnedFd, mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result<(), String> {
+    if mounts.is_empty() {
+        return Ok(());
+    }
     // libcontainer's own mounts below /dev, cloned before anything covers them; one a mount
     // given to the container replaces is left under it.
     let mut own = Vec::new();
@@ -278,7 +279,7 @@ fn attach(mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result<(), String> {
         let dest = &m.destination;
         let (all, _) = attrs(m)?;
         setattr(tree, true, &all, &format!("the flags of {dest}"))?;
-        let target = mount_point(&root, dest, is_dir(tree)?, true)?.expect("made");
+        let target = mount_point(root, dest, is_dir(tree)?, true)?.expect("made");
         move_onto(tree, &target, &format!("{} on {dest}", m.source))?;
         // Once the mounts on /dev itself are made (the first, shallowest), the container's
         // own go back on top, before the mounts below /dev that may name paths in them.
@@ -286,7 +287,7 @@ fn attach(mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result<(), String> {
         if m.destination == "/dev" && last_on_dev {
             for (dest, tree) in own.drain(..) {
                 let make = dest == "/dev/shm";
-                if let Some(target) = mount_point(&root, &dest, is_dir(&tree)?, make)? {
+                if let Some(target) = mount_point(root, &dest, is_dir(&tree)?, make)? {
                     move_onto(&tree, &target, &format!("the container's own {dest}"))?;
                 }
             }
@@ -306,15 +307,67 @@ fn attach(mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result<(), String> {
     Ok(())
 }
 
+/// The propagation flag a mount option names.
+fn propagation(p: &str) -> Result<u64, String> {
+    match p {
+        "" | "rprivate" => Ok(libc::MS_PRIVATE),
+        "rslave" => Ok(libc::MS_SLAVE),
+        "rshared" => Ok(libc::MS_SHARED),
+        p => Err(format!(
+            "propagation {p:?} is not rprivate, rslave or rshared"
+        )),
+    }
+}
+
+/// Sets each volume's propagation (its whole tree) as `fixes` say, the volume found as
+/// libcontainer found its destination: inside the root, through the image's symlinks (nothing
+/// of the container has run yet), never through a magic link.
+fn fix_propagation(root: &OwnedFd, fixes: &[pb::PropagationFix]) -> Result<(), String> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    for f in fixes {
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+            .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+        let rel = f.destination.trim_start_matches('/');
+        let fd = nix::fcntl::openat2(
+            root.as_raw_fd(),
+            if rel.is_empty() { "." } else { rel },
+            how,
+        )
+        .map(unsafe_owned)
+        .map_err(|e| format!("find the volume at {}: {e}", f.destination))?;
+        let attr = MountAttr {
+            propagation: propagation(&f.propagation)?,
+            ..Default::default()
+        };
+        setattr(
+            &fd,
+            true,
+            &attr,
+            &format!("the propagation of {}", f.destination),
+        )?;
+    }
+    Ok(())
+}
+
 /// Makes `mounts` (destinations as `spec::late_mounts` gives them: absolute, without `.` or
 /// `..`, the first on /dev) in the mount namespace of `init`, the created container's waiting
-/// init. Runs in the monitor's helper (single-threaded); the namespace is entered by a child of
-/// its own, so the helper's root and directories stay the host's.
-pub(super) fn apply(init: Pid, container: &str, mounts: &[pb::LateMount]) -> Result<(), Status> {
-    if mounts.is_empty() {
+/// init, then sets the propagation of the volumes `fixes` name. Runs in the monitor's helper
+/// (single-threaded); the namespace is entered by a child of its own, so the helper's root and
+/// directories stay the host's.
+pub(super) fn apply(
+    init: Pid,
+    container: &str,
+    mounts: &[pb::LateMount],
+    fixes: &[pb::PropagationFix],
+) -> Result<(), Status> {
+    if mounts.is_empty() && fixes.is_empty() {
         return Ok(());
     }
     let failed = |e: String| Status::internal(format!("container {container}: {e}"));
+    for f in fixes {
+        propagation(&f.propagation).map_err(|e| failed(format!("mount {}: {e}", f.destination)))?;
+    }
     for m in mounts {
         // Checked before anything is mounted.
         attrs(m).map_err(|e| failed(format!("mount {}: {e}", m.destination)))?;
@@ -370,7 +423,11 @@ pub(super) fn apply(init: Pid, container: &str, mounts: &[pb::LateMount]) -> Res
             let result = std::panic::catch_unwind(|| {
                 setns(&ns, CloneFlags::CLONE_NEWNS)
                     .map_err(|e| format!("enter the container's mount namespace: {e}"))
-                    .and_then(|()| attach(mounts, &trees))
+                    .and_then(|()| {
+                        let root = container_root()?;
+                        attach(&root, mounts, &trees)?;
+                        fix_propagation(&root, fixes)
+                    })
             })
             .unwrap_or_else(|_| Err("the mounting process panicked".into()));
             let msg = match result {

@@ -891,6 +891,7 @@ impl Svc {
         let hook_bundle = bundle.clone();
         let target_name = req.pid_target.clone();
         let late = req.late_mounts.clone();
+        let fixes = req.propagation_fixes.clone();
         let inherit = Inherit {
             stdio: Some([stdin, out_w, err_w]),
             named: console
@@ -939,7 +940,7 @@ impl Svc {
                 .ok_or_else(|| Status::internal("created container has no pid"))?;
             // Before the late mounts, which may put a host directory on /dev.
             crate::cdi::fix_device_dirs(pid.as_raw(), &bundle_for_helper);
-            if let Err(e) = late_mounts::apply(pid, &id, &late) {
+            if let Err(e) = late_mounts::apply(pid, &id, &late, &fixes) {
                 if let Err(d) = c.delete(true) {
                     // At least its init goes: nobody would ever start or reap it.
                     let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
@@ -1024,6 +1025,7 @@ impl Svc {
         Ok(pb::CreateContainerResponse {
             pid: pid.as_raw() as u32,
             late_mounts: req.late_mounts.len() as u32,
+            propagation_fixes: req.propagation_fixes.len() as u32,
         })
     }
 
