@@ -2874,6 +2874,117 @@ async fn a_private_volume_does_not_receive_later_host_mounts() {
     assert_no_leaks(&h, &pod);
 }
 
+/// A plugin's shape: a HostToContainer volume with a Bidirectional one below it (kubelet's
+/// directory and its pods' volumes). Each keeps its own propagation though libcontainer gives
+/// both the root's: the inner one still sends the container's mounts to the host, the outer
+/// one still receives the host's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_below_another_keeps_its_own_propagation() {
+    use nix::mount::{mount, umount2, MntFlags, MsFlags};
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let host = tempfile::tempdir().unwrap();
+    let outer = host.path().join("kubelet");
+    let inner = outer.join("pods");
+    struct Unmount(Vec<std::path::PathBuf>);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            for p in self.0.iter().rev() {
+                let _ = umount2(p, MntFlags::MNT_DETACH);
+            }
+        }
+    }
+    let mut unmount = Unmount(Vec::new());
+    std::fs::create_dir(&outer).unwrap();
+    // Shared mounts, as kubelet requires of a Bidirectional volume's source.
+    for dir in [&outer, &inner] {
+        std::fs::create_dir_all(dir).unwrap();
+        mount(
+            Some(dir.as_path()),
+            dir.as_path(),
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .unwrap();
+        unmount.0.push(dir.clone());
+        mount(
+            None::<&str>,
+            dir.as_path(),
+            None::<&str>,
+            MsFlags::MS_SHARED,
+            None::<&str>,
+        )
+        .unwrap();
+    }
+    std::fs::create_dir(inner.join("made-inside")).unwrap();
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let mut cfg = pod_config("nested-propagation", logs.path());
+    cfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .privileged = true;
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut cc = container_config("plugin", &["sleep", "60"]);
+    cc.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .privileged = true;
+    cc.mounts = vec![
+        cri::Mount {
+            container_path: "/var/lib/kubelet".into(),
+            host_path: outer.display().to_string(),
+            propagation: cri::MountPropagation::PropagationHostToContainer as i32,
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/var/lib/kubelet/pods".into(),
+            host_path: inner.display().to_string(),
+            propagation: cri::MountPropagation::PropagationBidirectional as i32,
+            ..Default::default()
+        },
+    ];
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    // The container's mount below the Bidirectional volume reaches the host.
+    exec(
+        &mut rt,
+        &id,
+        "mount -t tmpfs none /var/lib/kubelet/pods/made-inside && echo x > /var/lib/kubelet/pods/made-inside/marker",
+    )
+    .await;
+    unmount.0.push(inner.join("made-inside"));
+    support::wait_for(
+        "the container's mount to reach the host",
+        Duration::from_secs(10),
+        || inner.join("made-inside/marker").exists(),
+    )
+    .await;
+    // The host's mount below the HostToContainer volume reaches the container.
+    let sub = outer.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    mount(
+        Some("tmpfs"),
+        &sub,
+        Some("tmpfs"),
+        MsFlags::empty(),
+        None::<&str>,
+    )
+    .unwrap();
+    unmount.0.push(sub.clone());
+    std::fs::write(sub.join("marker"), "from the host").unwrap();
+    assert_eq!(
+        exec(&mut rt, &id, "cat /var/lib/kubelet/sub/marker").await,
+        "from the host"
+    );
+    remove_pod(&mut rt, &pod).await;
+    drop(unmount);
+    assert_no_leaks(&h, &pod);
+}
+
 /// A host directory mounted on /dev (a CSI or device plugin's hostPath /dev), however spelt,
 /// is what the container sees there, with the mounts below /dev on top of it (kubelet's
 /// termination log); and what libcontainer makes in /dev (links, device nodes, `ptmx`) is not

@@ -449,24 +449,45 @@ fn root_propagation(s: &ContainerSpec) -> &'static str {
     }
 }
 
-/// The volumes (destination, propagation) whose propagation the monitor sets once the
-/// container is created: libcontainer 0.7 binds each as a copy of the root's view of its
-/// source and never applies the mount's own propagation, so under a shared or slave root (a
-/// Bidirectional or HostToContainer mount in the container) a Private volume would receive
-/// the host's later mounts, or under a shared one send the container's to the host. Only
-/// those whose wish differs from the root's; the late mounts get theirs where they are made.
-pub fn propagation_fixes(s: &ContainerSpec) -> Vec<(String, String)> {
+/// A volume whose propagation the monitor sets once the container is created.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PropagationFix {
+    pub destination: String,
+    /// "rprivate" or "rslave": a root's propagation is never less than a volume's.
+    pub propagation: String,
+    /// Its whole tree; only its top mount when other volumes lie below it (theirs is theirs).
+    pub recursive: bool,
+}
+
+/// The volumes whose propagation the monitor sets once the container is created:
+/// libcontainer 0.7 binds each as a copy of the root's view of its source and never applies
+/// the mount's own propagation, so under a shared or slave root (a Bidirectional or
+/// HostToContainer mount in the container) a Private volume would receive the host's later
+/// mounts, or under a shared one send the container's to the host. Only those whose wish
+/// differs from the root's; the late mounts get theirs where they are made. Set after the
+/// create, so what libcontainer itself mounts inside such a volume under a shared root has
+/// propagated by then (as before this existed).
+pub fn propagation_fixes(s: &ContainerSpec) -> Vec<PropagationFix> {
     let root = root_propagation(s);
     s.mounts
         .iter()
-        .filter(|m| !is_late(s, m))
+        .filter(|m| !is_late(s, m) && !lexical_parts(&m.destination).is_empty())
         .filter_map(|m| {
             let want = if m.propagation.is_empty() {
                 "rprivate"
             } else {
                 m.propagation.as_str()
             };
-            (want != root).then(|| (m.destination.clone(), want.to_string()))
+            let parts = lexical_parts(&m.destination);
+            let nests = s.mounts.iter().any(|o| {
+                let o = lexical_parts(&o.destination);
+                o.len() > parts.len() && o.starts_with(&parts)
+            });
+            (want != root).then(|| PropagationFix {
+                destination: m.destination.clone(),
+                propagation: want.to_string(),
+                recursive: !nests,
+            })
         })
         .collect()
 }
@@ -1116,21 +1137,36 @@ mod tests {
             options: Vec::new(),
         };
         let mut s = base();
+        let fixes = |s: &ContainerSpec| -> Vec<(String, String, bool)> {
+            propagation_fixes(s)
+                .into_iter()
+                .map(|f| (f.destination, f.propagation, f.recursive))
+                .collect()
+        };
+        let want = |v: &[(&str, &str, bool)]| -> Vec<(String, String, bool)> {
+            v.iter()
+                .map(|(d, p, r)| (d.to_string(), p.to_string(), *r))
+                .collect()
+        };
         s.mounts = vec![bind("/a", ""), bind("/b", "rprivate")];
-        assert!(propagation_fixes(&s).is_empty(), "all private, as the root");
+        assert!(fixes(&s).is_empty(), "all private, as the root");
         s.mounts.push(bind("/c", "rslave"));
         assert_eq!(
-            propagation_fixes(&s),
-            [("/a", "rprivate"), ("/b", "rprivate")].map(|(d, p)| (d.to_string(), p.to_string()))
+            fixes(&s),
+            want(&[("/a", "rprivate", true), ("/b", "rprivate", true)])
         );
+        // Under a shared root the slave one is fixed too, only its top mount when a volume
+        // lies below it; a mount on /dev is made by the monitor with its own.
         s.mounts.push(bind("/d", "rshared"));
-        // Under a shared root the slave one is fixed too; a mount on /dev is made by the
-        // monitor with its own.
+        s.mounts.push(bind("/c/./inner", "rshared"));
         s.mounts.push(bind("/dev", "rprivate"));
         assert_eq!(
-            propagation_fixes(&s),
-            [("/a", "rprivate"), ("/b", "rprivate"), ("/c", "rslave")]
-                .map(|(d, p)| (d.to_string(), p.to_string()))
+            fixes(&s),
+            want(&[
+                ("/a", "rprivate", true),
+                ("/b", "rprivate", true),
+                ("/c", "rslave", false)
+            ])
         );
         assert_eq!(
             linux(&generate(&s)).rootfs_propagation().as_deref(),

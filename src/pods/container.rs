@@ -213,26 +213,31 @@ impl Runtime {
                 .collect(),
             propagation_fixes: propagation_fixes
                 .into_iter()
-                .map(|(destination, propagation)| pb::PropagationFix {
-                    destination,
-                    propagation,
+                .map(|f| pb::PropagationFix {
+                    destination: f.destination,
+                    propagation: f.propagation,
+                    recursive: f.recursive,
                 })
                 .collect(),
         };
         let created = monitor.create(&create).await;
         if let Ok(r) = &created {
-            if (r.late_mounts as usize) < create.late_mounts.len()
-                || (r.propagation_fixes as usize) < create.propagation_fixes.len()
-            {
+            // A monitor older than these fields (a pod from before an upgrade) makes none.
+            // Without its mounts on /dev the container would run on the wrong /dev: removed.
+            if (r.late_mounts as usize) < create.late_mounts.len() {
                 if let Err(e) = monitor.delete(&id, true).await {
-                    tracing::warn!(container = %id, error = %e, "remove the container its monitor made without its mounts on /dev or volume propagation");
+                    tracing::warn!(container = %id, error = %e, "remove the container its monitor made without its mounts on /dev");
                 }
                 return Err(Error::FailedPrecondition(format!(
                     "create container {} in pod {}: the pod's monitor predates mounts on /dev \
-                     and per-volume propagation (hako was upgraded since the pod started): \
-                     recreate the pod",
+                     (hako was upgraded since the pod started): recreate the pod",
                     req.name, pod.id
                 )));
+            }
+            // Without the propagation fixes it runs as hako ran it before them: a restarted
+            // container of a running plugin pod is not refused over it.
+            if (r.propagation_fixes as usize) < create.propagation_fixes.len() {
+                tracing::warn!(container = %id, pod = %pod.id, "the pod's monitor predates per-volume propagation: the container's volumes follow its root's; recreate the pod to have them as asked");
             }
         }
         if let Err(e) = created {

@@ -68,6 +68,10 @@ fn clone_tree(source: &str) -> std::io::Result<OwnedFd> {
 }
 
 fn setattr(tree: &OwnedFd, recursive: bool, attr: &MountAttr, what: &str) -> Result<(), String> {
+    mount_setattr(tree, recursive, attr).map_err(|e| format!("set {what}: {e}"))
+}
+
+fn mount_setattr(tree: &OwnedFd, recursive: bool, attr: &MountAttr) -> std::io::Result<()> {
     let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
     if recursive {
         flags |= libc::AT_RECURSIVE as libc::c_uint;
@@ -84,7 +88,7 @@ fn setattr(tree: &OwnedFd, recursive: bool, attr: &MountAttr, what: &str) -> Res
         )
     };
     if r != 0 {
-        return Err(last_err(format!("set {what}")));
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }
@@ -319,33 +323,47 @@ fn propagation(p: &str) -> Result<u64, String> {
     }
 }
 
-/// Sets each volume's propagation (its whole tree) as `fixes` say, the volume found as
-/// libcontainer found its destination: inside the root, through the image's symlinks (nothing
-/// of the container has run yet), never through a magic link.
+/// Sets each volume's propagation as `fixes` say (its whole tree, or only its top mount when
+/// other volumes lie below it: theirs is their own), the volume found as libcontainer found
+/// its destination: inside the root, through the image's symlinks (nothing of the container
+/// has run yet), never through a magic link. A volume that a later mount covers (not found,
+/// or no longer a mount's root there) is out of the container's reach and left as it is.
 fn fix_propagation(root: &OwnedFd, fixes: &[pb::PropagationFix]) -> Result<(), String> {
     use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
     for f in fixes {
-        let how = OpenHow::new()
-            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
-            .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
         let rel = f.destination.trim_start_matches('/');
-        let fd = nix::fcntl::openat2(
-            root.as_raw_fd(),
-            if rel.is_empty() { "." } else { rel },
-            how,
-        )
-        .map(unsafe_owned)
-        .map_err(|e| format!("find the volume at {}: {e}", f.destination))?;
+        if rel.is_empty() {
+            return Err(format!("a volume on {:?} (the root)", f.destination));
+        }
+        let open = || {
+            let how = OpenHow::new()
+                .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+                .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+            nix::fcntl::openat2(root.as_raw_fd(), rel, how)
+        };
+        // RESOLVE_IN_ROOT answers EAGAIN when a rename or mount anywhere raced a `..` in the
+        // walk (an image's `var/run -> ../run`): tried again, as libpathrs does.
+        let mut tries = 0;
+        let fd = loop {
+            match open() {
+                Err(nix::Error::EAGAIN) if tries < 8 => tries += 1,
+                r => break r,
+            }
+        };
+        let fd = match fd {
+            Ok(fd) => unsafe_owned(fd),
+            Err(nix::Error::ENOENT) => continue,
+            Err(e) => return Err(format!("find the volume at {}: {e}", f.destination)),
+        };
         let attr = MountAttr {
             propagation: propagation(&f.propagation)?,
             ..Default::default()
         };
-        setattr(
-            &fd,
-            true,
-            &attr,
-            &format!("the propagation of {}", f.destination),
-        )?;
+        match mount_setattr(&fd, f.recursive, &attr) {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => continue,
+            Err(e) => return Err(format!("set the propagation of {}: {e}", f.destination)),
+            Ok(()) => {}
+        }
     }
     Ok(())
 }
