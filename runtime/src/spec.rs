@@ -469,21 +469,27 @@ pub struct PropagationFix {
 /// propagated by then (as before this existed).
 pub fn propagation_fixes(s: &ContainerSpec) -> Vec<PropagationFix> {
     let root = root_propagation(s);
+    let parts: Vec<Vec<&str>> = s
+        .mounts
+        .iter()
+        .map(|m| lexical_parts(&m.destination))
+        .collect();
     s.mounts
         .iter()
-        .filter(|m| !is_late(s, m) && !lexical_parts(&m.destination).is_empty())
-        .filter_map(|m| {
+        .zip(&parts)
+        .filter_map(|(m, mine)| {
             let want = if m.propagation.is_empty() {
                 "rprivate"
             } else {
                 m.propagation.as_str()
             };
-            let parts = lexical_parts(&m.destination);
-            let nests = s.mounts.iter().any(|o| {
-                let o = lexical_parts(&o.destination);
-                o.len() > parts.len() && o.starts_with(&parts)
-            });
-            (want != root).then(|| PropagationFix {
+            if want == root || mine.is_empty() || is_late(s, m) {
+                return None;
+            }
+            let nests = parts
+                .iter()
+                .any(|o| o.len() > mine.len() && o.starts_with(mine));
+            Some(PropagationFix {
                 destination: m.destination.clone(),
                 propagation: want.to_string(),
                 recursive: !nests,

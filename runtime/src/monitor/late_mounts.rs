@@ -17,7 +17,7 @@
 
 use std::ffi::CString;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use hako_proto::monitor as pb;
 use nix::sched::{setns, CloneFlags};
@@ -46,21 +46,13 @@ struct MountAttr {
     userns_fd: u64,
 }
 
-fn last_err(what: String) -> String {
-    format!("{what}: {}", std::io::Error::last_os_error())
-}
-
-fn cstr(s: &str) -> Result<CString, String> {
-    CString::new(s).map_err(|_| format!("{s:?} contains a NUL byte"))
-}
-
-/// A detached copy of the mount tree at `source` (the whole tree below it too), as a bind
-/// mount of it would be.
-fn clone_tree(source: &str) -> std::io::Result<OwnedFd> {
-    let path = CString::new(source).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_RECURSIVE as u32;
+/// A detached copy of the mount at `path` (relative to `dir`), as a bind mount of it would
+/// be; `flags` add to OPEN_TREE_CLONE (AT_RECURSIVE: the mounts below it too).
+fn clone_tree(dir: RawFd, path: &str, flags: libc::c_int) -> std::io::Result<OwnedFd> {
+    let path = CString::new(path).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    let flags = OPEN_TREE_CLONE | (libc::O_CLOEXEC | flags) as libc::c_uint;
     // SAFETY: open_tree reads the NUL-terminated path and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, path.as_ptr(), flags) };
+    let fd = unsafe { libc::syscall(libc::SYS_open_tree, dir, path.as_ptr(), flags) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -126,9 +118,10 @@ fn attrs(m: &pb::LateMount) -> Result<(MountAttr, MountAttr), String> {
 
 /// The mount point `dest` (absolute, no `.` or `..`) below `root` as an O_PATH fd; with
 /// `make`, made if missing (its missing parents as directories; itself a directory for a
-/// directory tree, else an empty file), else `None` then. Walked one component at a time, never through a symlink: the
-/// host's /dev is not the container's to trust, nor are its world-writable directories, and
-/// a magic link of /proc (a host-PID pod's /proc/self/fd) would lead out of the container.
+/// directory tree, else an empty file), else `None` then. Walked one component at a time,
+/// never through a symlink: the host's /dev is not the container's to trust, nor are its
+/// world-writable directories, and a magic link of /proc (a host-PID pod's /proc/self/fd)
+/// would lead out of the container.
 fn mount_point(
     root: &OwnedFd,
     dest: &str,
@@ -145,8 +138,7 @@ fn mount_point(
             flags | OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
             Mode::empty(),
         )
-        // SAFETY: a new fd, ours alone.
-        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+        .map(unsafe_owned)
     };
     let parts: Vec<&str> = dest.split('/').filter(|p| !p.is_empty()).collect();
     let Some((last, parents)) = parts.split_last() else {
@@ -226,7 +218,7 @@ fn move_onto(tree: &OwnedFd, target: &OwnedFd, what: &str) -> Result<(), String>
         )
     };
     if r != 0 {
-        return Err(last_err(format!("mount {what}")));
+        return Err(format!("mount {what}: {}", std::io::Error::last_os_error()));
     }
     Ok(())
 }
@@ -254,7 +246,12 @@ const OWN: &[&str] = &["shm", "mqueue", "pts", "console"];
 /// its propagation and whole-tree flags set before (as the spec's bind would have them from
 /// the start), its top mount's flags once all are in place (a read-only /dev still takes the
 /// termination log's mount point).
-fn attach(root: &OwnedFd, mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result<(), String> {
+fn attach(
+    root: &OwnedFd,
+    mounts: &[pb::LateMount],
+    trees: &[OwnedFd],
+    flags: &[(MountAttr, MountAttr)],
+) -> Result<(), String> {
     if mounts.is_empty() {
         return Ok(());
     }
@@ -266,23 +263,19 @@ fn attach(root: &OwnedFd, mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result
         if mounts.iter().any(|m| m.destination == dest) {
             continue;
         }
-        let path = cstr(&format!("dev/{name}"))?;
-        let flags = OPEN_TREE_CLONE
-            | libc::O_CLOEXEC as libc::c_uint
-            | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint;
-        // SAFETY: open_tree reads the NUL-terminated path and returns a new fd or -1.
-        let fd =
-            unsafe { libc::syscall(libc::SYS_open_tree, root.as_raw_fd(), path.as_ptr(), flags) };
-        if fd >= 0 {
-            own.push((dest, unsafe_owned(fd as i32)));
-        } else if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOENT) {
-            return Err(last_err(format!("keep the container's {dest}")));
+        match clone_tree(
+            root.as_raw_fd(),
+            &format!("dev/{name}"),
+            libc::AT_SYMLINK_NOFOLLOW,
+        ) {
+            Ok(tree) => own.push((dest, tree)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("keep the container's {dest}: {e}")),
         }
     }
-    for (i, (m, tree)) in mounts.iter().zip(trees).enumerate() {
+    for (i, ((m, tree), (all, _))) in mounts.iter().zip(trees).zip(flags).enumerate() {
         let dest = &m.destination;
-        let (all, _) = attrs(m)?;
-        setattr(tree, true, &all, &format!("the flags of {dest}"))?;
+        setattr(tree, true, all, &format!("the flags of {dest}"))?;
         let target = mount_point(root, dest, is_dir(tree)?, true)?.expect("made");
         move_onto(tree, &target, &format!("{} on {dest}", m.source))?;
         // Once the mounts on /dev itself are made (the first, shallowest), the container's
@@ -297,15 +290,9 @@ fn attach(root: &OwnedFd, mounts: &[pb::LateMount], trees: &[OwnedFd]) -> Result
             }
         }
     }
-    for (m, tree) in mounts.iter().zip(trees) {
-        let (_, top) = attrs(m)?;
+    for ((m, tree), (_, top)) in mounts.iter().zip(trees).zip(flags) {
         if top.attr_set != 0 || top.attr_clr != 0 {
-            setattr(
-                tree,
-                false,
-                &top,
-                &format!("the flags of {}", m.destination),
-            )?;
+            setattr(tree, false, top, &format!("the flags of {}", m.destination))?;
         }
     }
     Ok(())
@@ -328,9 +315,13 @@ fn propagation(p: &str) -> Result<u64, String> {
 /// its destination: inside the root, through the image's symlinks (nothing of the container
 /// has run yet), never through a magic link. A volume that a later mount covers (not found,
 /// or no longer a mount's root there) is out of the container's reach and left as it is.
-fn fix_propagation(root: &OwnedFd, fixes: &[pb::PropagationFix]) -> Result<(), String> {
+fn fix_propagation(
+    root: &OwnedFd,
+    fixes: &[pb::PropagationFix],
+    propagations: &[u64],
+) -> Result<(), String> {
     use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
-    for f in fixes {
+    for (f, &propagation) in fixes.iter().zip(propagations) {
         let rel = f.destination.trim_start_matches('/');
         if rel.is_empty() {
             return Err(format!("a volume on {:?} (the root)", f.destination));
@@ -356,7 +347,7 @@ fn fix_propagation(root: &OwnedFd, fixes: &[pb::PropagationFix]) -> Result<(), S
             Err(e) => return Err(format!("find the volume at {}: {e}", f.destination)),
         };
         let attr = MountAttr {
-            propagation: propagation(&f.propagation)?,
+            propagation,
             ..Default::default()
         };
         match mount_setattr(&fd, f.recursive, &attr) {
@@ -383,12 +374,18 @@ pub(super) fn apply(
         return Ok(());
     }
     let failed = |e: String| Status::internal(format!("container {container}: {e}"));
-    for f in fixes {
-        propagation(&f.propagation).map_err(|e| failed(format!("mount {}: {e}", f.destination)))?;
-    }
+    // Read before anything is mounted, once.
+    let propagations = fixes
+        .iter()
+        .map(|f| {
+            propagation(&f.propagation).map_err(|e| failed(format!("mount {}: {e}", f.destination)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let flags = mounts
+        .iter()
+        .map(|m| attrs(m).map_err(|e| failed(format!("mount {}: {e}", m.destination))))
+        .collect::<Result<Vec<_>, _>>()?;
     for m in mounts {
-        // Checked before anything is mounted.
-        attrs(m).map_err(|e| failed(format!("mount {}: {e}", m.destination)))?;
         if m.destination.split('/').any(|p| p == "." || p == "..")
             || !m.destination.starts_with("/dev")
         {
@@ -415,18 +412,20 @@ pub(super) fn apply(
     }
     let mut trees = Vec::with_capacity(mounts.len());
     for m in mounts {
-        trees.push(clone_tree(&m.source).map_err(|e| {
-            let msg = format!(
-                "mount {}: clone the mounts at {}: {e}",
-                m.destination, m.source
-            );
-            match e.kind() {
-                std::io::ErrorKind::NotFound => {
-                    Status::not_found(format!("container {container}: {msg}"))
+        trees.push(
+            clone_tree(libc::AT_FDCWD, &m.source, libc::AT_RECURSIVE).map_err(|e| {
+                let msg = format!(
+                    "mount {}: clone the mounts at {}: {e}",
+                    m.destination, m.source
+                );
+                match e.kind() {
+                    std::io::ErrorKind::NotFound => {
+                        Status::not_found(format!("container {container}: {msg}"))
+                    }
+                    _ => failed(msg),
                 }
-                _ => failed(msg),
-            }
-        })?);
+            })?,
+        );
     }
     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| failed(format!("pipe: {e}")))?;
@@ -443,8 +442,8 @@ pub(super) fn apply(
                     .map_err(|e| format!("enter the container's mount namespace: {e}"))
                     .and_then(|()| {
                         let root = container_root()?;
-                        attach(&root, mounts, &trees)?;
-                        fix_propagation(&root, fixes)
+                        attach(&root, mounts, &trees, &flags)?;
+                        fix_propagation(&root, fixes, &propagations)
                     })
             })
             .unwrap_or_else(|_| Err("the mounting process panicked".into()));
