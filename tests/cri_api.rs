@@ -336,21 +336,8 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
     // A mount below the volume (exec, dev and suid allowed): the options hold there too.
     let sub = data.path().join("sub");
     std::fs::create_dir(&sub).unwrap();
-    nix::mount::mount(
-        Some("tmpfs"),
-        &sub,
-        Some("tmpfs"),
-        nix::mount::MsFlags::empty(),
-        None::<&str>,
-    )
-    .unwrap();
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
-        }
-    }
-    let _unmount = Unmount(sub.clone());
+    let mut mounts = support::HostMounts::default();
+    mounts.tmpfs(&sub, None);
     std::fs::copy(&script, sub.join("run.sh")).unwrap();
     let mut rt = h.runtime().await;
     let cfg = pod_config("mountopts", logs.path());

@@ -2379,21 +2379,8 @@ async fn a_full_log_disk_is_logged_once_per_run_of_failures() {
         return;
     };
     let logs = tempfile::tempdir().unwrap();
-    nix::mount::mount(
-        Some("tmpfs"),
-        logs.path(),
-        Some("tmpfs"),
-        nix::mount::MsFlags::empty(),
-        Some("size=64k"),
-    )
-    .unwrap();
-    struct Unmount<'a>(&'a std::path::Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            let _ = nix::mount::umount2(self.0, nix::mount::MntFlags::MNT_DETACH);
-        }
-    }
-    let _unmount = Unmount(logs.path());
+    let mut mounts = support::HostMounts::default();
+    mounts.tmpfs(logs.path(), Some("size=64k"));
     let mut rt = h.runtime().await;
     let cfg = pod_config("full-log-disk", logs.path());
     let pod = run_pod(&mut rt, &cfg).await;
@@ -2786,38 +2773,14 @@ async fn an_exec_url_keeps_to_the_container_its_call_named() {
 /// one that mounted it Private (rprivate, kubelet's default).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_private_volume_does_not_receive_later_host_mounts() {
-    use nix::mount::{mount, umount2, MntFlags, MsFlags};
     let Some((_reg, h)) = ready().await else {
         return;
     };
     let host = tempfile::tempdir().unwrap();
     let vol = host.path().join("vol");
     std::fs::create_dir(&vol).unwrap();
-    // A shared mount, as volumes are on a systemd host, so mounts under it can propagate.
-    mount(
-        Some(&vol),
-        &vol,
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .unwrap();
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = umount2(&self.0.join("sub"), MntFlags::MNT_DETACH);
-            let _ = umount2(&self.0, MntFlags::MNT_DETACH);
-        }
-    }
-    let _unmount = Unmount(vol.clone());
-    mount(
-        None::<&str>,
-        &vol,
-        None::<&str>,
-        MsFlags::MS_SHARED,
-        None::<&str>,
-    )
-    .unwrap();
+    let mut mounts = support::HostMounts::default();
+    mounts.shared(&vol);
     let mut rt = h.runtime().await;
     let logs = tempfile::tempdir().unwrap();
     let cfg = pod_config("propagation", logs.path());
@@ -2848,14 +2811,7 @@ async fn a_private_volume_does_not_receive_later_host_mounts() {
     let both = run_container(&mut rt, &pod, &cfg, both).await;
     let sub = vol.join("sub");
     std::fs::create_dir(&sub).unwrap();
-    mount(
-        Some("tmpfs"),
-        &sub,
-        Some("tmpfs"),
-        MsFlags::empty(),
-        None::<&str>,
-    )
-    .unwrap();
+    mounts.tmpfs(&sub, None);
     std::fs::write(sub.join("marker"), "from the host").unwrap();
     let read = "cat /vol/sub/marker 2>/dev/null || echo absent";
     assert_eq!(exec(&mut rt, &slave, read).await, "from the host");
@@ -2880,43 +2836,18 @@ async fn a_private_volume_does_not_receive_later_host_mounts() {
 /// one still receives the host's.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_below_another_keeps_its_own_propagation() {
-    use nix::mount::{mount, umount2, MntFlags, MsFlags};
     let Some((_reg, h)) = ready().await else {
         return;
     };
     let host = tempfile::tempdir().unwrap();
     let outer = host.path().join("kubelet");
     let inner = outer.join("pods");
-    struct Unmount(Vec<std::path::PathBuf>);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            for p in self.0.iter().rev() {
-                let _ = umount2(p, MntFlags::MNT_DETACH);
-            }
-        }
-    }
-    let mut unmount = Unmount(Vec::new());
+    let mut mounts = support::HostMounts::default();
     std::fs::create_dir(&outer).unwrap();
     // Shared mounts, as kubelet requires of a Bidirectional volume's source.
     for dir in [&outer, &inner] {
         std::fs::create_dir_all(dir).unwrap();
-        mount(
-            Some(dir.as_path()),
-            dir.as_path(),
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .unwrap();
-        unmount.0.push(dir.clone());
-        mount(
-            None::<&str>,
-            dir.as_path(),
-            None::<&str>,
-            MsFlags::MS_SHARED,
-            None::<&str>,
-        )
-        .unwrap();
+        mounts.shared(dir);
     }
     std::fs::create_dir(inner.join("made-inside")).unwrap();
     let mut rt = h.runtime().await;
@@ -2956,7 +2887,7 @@ async fn a_volume_below_another_keeps_its_own_propagation() {
         "mount -t tmpfs none /var/lib/kubelet/pods/made-inside && echo x > /var/lib/kubelet/pods/made-inside/marker",
     )
     .await;
-    unmount.0.push(inner.join("made-inside"));
+    mounts.adopt(&inner.join("made-inside"));
     support::wait_for(
         "the container's mount to reach the host",
         Duration::from_secs(10),
@@ -2966,22 +2897,14 @@ async fn a_volume_below_another_keeps_its_own_propagation() {
     // The host's mount below the HostToContainer volume reaches the container.
     let sub = outer.join("sub");
     std::fs::create_dir(&sub).unwrap();
-    mount(
-        Some("tmpfs"),
-        &sub,
-        Some("tmpfs"),
-        MsFlags::empty(),
-        None::<&str>,
-    )
-    .unwrap();
-    unmount.0.push(sub.clone());
+    mounts.tmpfs(&sub, None);
     std::fs::write(sub.join("marker"), "from the host").unwrap();
     assert_eq!(
         exec(&mut rt, &id, "cat /var/lib/kubelet/sub/marker").await,
         "from the host"
     );
     remove_pod(&mut rt, &pod).await;
-    drop(unmount);
+    drop(mounts);
     assert_no_leaks(&h, &pod);
 }
 

@@ -156,3 +156,46 @@ pub fn streaming_client() -> Option<std::path::PathBuf> {
         })
         .clone()
 }
+
+/// Mounts a test makes on the host, detached (the last made first) when it ends, passed or
+/// failed, so no mount outlives its test.
+#[derive(Default)]
+pub struct HostMounts(Vec<PathBuf>);
+
+impl HostMounts {
+    /// `dir` bound on itself and made a shared mount, as volumes are on a systemd host (and
+    /// as kubelet requires of a Bidirectional volume's source): mounts below it propagate.
+    pub fn shared(&mut self, dir: &std::path::Path) {
+        use nix::mount::{mount, MsFlags};
+        mount(Some(dir), dir, None::<&str>, MsFlags::MS_BIND, None::<&str>).unwrap();
+        self.adopt(dir);
+        mount(
+            None::<&str>,
+            dir,
+            None::<&str>,
+            MsFlags::MS_SHARED,
+            None::<&str>,
+        )
+        .unwrap();
+    }
+
+    /// A tmpfs on `dir`, with mount data `data` (`size=64k`).
+    pub fn tmpfs(&mut self, dir: &std::path::Path, data: Option<&str>) {
+        use nix::mount::{mount, MsFlags};
+        mount(Some("tmpfs"), dir, Some("tmpfs"), MsFlags::empty(), data).unwrap();
+        self.adopt(dir);
+    }
+
+    /// A mount made otherwise (one a container's propagated to the host).
+    pub fn adopt(&mut self, dir: &std::path::Path) {
+        self.0.push(dir.to_path_buf());
+    }
+}
+
+impl Drop for HostMounts {
+    fn drop(&mut self) {
+        for p in self.0.iter().rev() {
+            let _ = nix::mount::umount2(p, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
