@@ -404,9 +404,10 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
 
 /// What a process cannot carry (a NUL byte in an environment value or an argument, an empty
 /// or `=` name) is refused at create, INVALID_ARGUMENT naming the container or the image and
-/// the variable, whether the pod spec or the image gave it; nothing is left behind.
+/// the variable, whether the pod spec or the image gave it; nothing is left behind. So is a
+/// user namespace, which hako does not make.
 #[tokio::test(flavor = "multi_thread")]
-async fn strings_a_process_cannot_carry_are_refused_naming_their_source() {
+async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_their_source() {
     let Some((reg, h)) = ready().await else {
         return;
     };
@@ -525,6 +526,88 @@ async fn strings_a_process_cannot_carry_are_refused_naming_their_source() {
             "{e:?}"
         );
     }
+    // A user namespace hako cannot make is refused, never ignored (the pod would run as the
+    // node's root): malformed options as such, kubelet's own shape as not supported.
+    let map = |container_id, host_id, length| cri::IdMapping {
+        container_id,
+        host_id,
+        length,
+    };
+    let pod_mode = |uids: Vec<cri::IdMapping>| cri::UserNamespace {
+        mode: cri::NamespaceMode::Pod as i32,
+        gids: uids.clone(),
+        uids,
+    };
+    let cases = [
+        (
+            pod_mode(vec![map(0, 65536, 65536)]),
+            tonic::Code::Unimplemented,
+            "not supported",
+        ),
+        (
+            pod_mode(vec![map(1, 65536, 65536)]),
+            tonic::Code::InvalidArgument,
+            "container ID 0",
+        ),
+        (
+            pod_mode(vec![map(0, 1000, 100000), map(0, 2000, 100000)]),
+            tonic::Code::InvalidArgument,
+            "exactly one",
+        ),
+        (
+            cri::UserNamespace {
+                mode: cri::NamespaceMode::Container as i32,
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "CONTAINER",
+        ),
+        (
+            cri::UserNamespace {
+                mode: cri::NamespaceMode::Target as i32,
+                ..Default::default()
+            },
+            tonic::Code::InvalidArgument,
+            "TARGET",
+        ),
+    ];
+    for (userns, code, why) in cases {
+        let ns = cri::NamespaceOption {
+            userns_options: Some(userns.clone()),
+            ..Default::default()
+        };
+        let mut bad = pod_config("userns", logs.path());
+        bad.linux
+            .get_or_insert_with(Default::default)
+            .security_context
+            .get_or_insert_with(Default::default)
+            .namespace_options = Some(ns.clone());
+        let e = rt
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(bad),
+                runtime_handler: String::new(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), code, "pod with {userns:?}: {e:?}");
+        assert!(
+            e.message().contains("userns") && e.message().contains(why),
+            "pod with {userns:?}: {e:?}"
+        );
+        // A container of a pod without one asks for it: refused the same way.
+        let mut cc = container_config("userns-ctr", &["sleep", "60"]);
+        cc.linux
+            .get_or_insert_with(Default::default)
+            .security_context
+            .get_or_insert_with(Default::default)
+            .namespace_options = Some(ns);
+        let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+        assert_eq!(e.code(), code, "container with {userns:?}: {e:?}");
+        assert!(
+            e.message().contains("userns-ctr") && e.message().contains(why),
+            "container with {userns:?}: {e:?}"
+        );
+    }
     let pods = rt
         .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
         .await
@@ -532,6 +615,17 @@ async fn strings_a_process_cannot_carry_are_refused_naming_their_source() {
         .into_inner()
         .items;
     assert_eq!(pods.len(), 1, "only the good pod: {pods:?}");
+    let ctrs = rt
+        .list_containers(cri::ListContainersRequest { filter: None })
+        .await
+        .unwrap()
+        .into_inner()
+        .containers;
+    assert!(
+        ctrs.iter()
+            .all(|c| c.metadata.as_ref().is_none_or(|m| m.name != "userns-ctr")),
+        "a refused container was kept: {ctrs:?}"
+    );
     remove_pod(&mut rt, &pod).await;
     assert_no_leaks(&h, &pod);
 }

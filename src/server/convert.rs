@@ -85,6 +85,56 @@ fn ns_mode_cri(m: NsMode) -> i32 {
     }) as i32
 }
 
+/// The user namespace a pod or container asks for (`what` names it in errors). hako runs
+/// nothing in a user namespace of its own yet, and its runtime handler says so
+/// (`user_namespaces: false`), so kubelet never asks; a client that asks anyway is refused
+/// instead of being given a pod whose root is the node's root. Options no runtime could honour
+/// (containerd and CRI-O refuse them too: kubelet's mode is POD with one mapping from ID 0)
+/// are refused as such, before the missing support is.
+pub fn check_userns(u: Option<&cri::UserNamespace>, what: &str) -> Result<(), Error> {
+    let Some(u) = u else { return Ok(()) };
+    let bad = |why: String| {
+        Err(Error::InvalidArgument(format!(
+            "{what}: user namespace {why}"
+        )))
+    };
+    match cri::NamespaceMode::try_from(u.mode) {
+        Ok(cri::NamespaceMode::Node) if u.uids.is_empty() && u.gids.is_empty() => Ok(()),
+        Ok(cri::NamespaceMode::Node) => bad("mode NODE takes no ID mappings".into()),
+        Ok(cri::NamespaceMode::Pod) => {
+            for (kind, maps) in [("UID", &u.uids), ("GID", &u.gids)] {
+                let [m] = maps.as_slice() else {
+                    return bad(format!(
+                        "mode POD needs exactly one {kind} mapping, got {}",
+                        maps.len()
+                    ));
+                };
+                if m.container_id != 0 {
+                    return bad(format!(
+                        "{kind} mapping does not map container ID 0 (it starts at {})",
+                        m.container_id
+                    ));
+                }
+                if m.length == 0 || m.host_id.checked_add(m.length - 1).is_none() {
+                    return bad(format!(
+                        "{kind} mapping of {} IDs from host ID {} is empty or runs past the last ID",
+                        m.length, m.host_id
+                    ));
+                }
+            }
+            Err(Error::Unimplemented(format!(
+                "{what}: user namespaces (mode POD) are not supported by hako; its runtime \
+                 handler reports user_namespaces false"
+            )))
+        }
+        Ok(mode) => bad(format!(
+            "mode {} is not supported (only NODE or POD)",
+            mode.as_str_name()
+        )),
+        Err(_) => bad(format!("mode {} is not a CRI NamespaceMode", u.mode)),
+    }
+}
+
 pub fn pod_spec(c: cri::PodSandboxConfig, runtime_handler: String) -> PodSpec {
     let md = c.metadata.unwrap_or_default();
     let linux = c.linux.unwrap_or_default();
@@ -299,6 +349,10 @@ pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error>
     let s = linux.security_context.unwrap_or_default();
     let caps = s.capabilities.clone().unwrap_or_default();
     let ns = s.namespace_options.clone().unwrap_or_default();
+    check_userns(
+        ns.userns_options.as_ref(),
+        &format!("container {}", md.name),
+    )?;
     let oom_score_adj = (r.oom_score_adj != 0).then_some(r.oom_score_adj);
     Ok(ContainerSpecReq {
         name: md.name,
@@ -692,6 +746,79 @@ fn net_usage(timestamp: i64, ifaces: &[crate::pods::NetCounters]) -> Option<cri:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_namespaces_are_refused_and_malformed_ones_said_so() {
+        let map = |container_id, host_id, length| cri::IdMapping {
+            container_id,
+            host_id,
+            length,
+        };
+        let ns = |mode: cri::NamespaceMode, uids: Vec<cri::IdMapping>, gids| cri::UserNamespace {
+            mode: mode as i32,
+            uids,
+            gids,
+        };
+        let good = vec![map(0, 65536, 65536)];
+        assert!(check_userns(None, "pod p").is_ok());
+        assert!(check_userns(Some(&ns(cri::NamespaceMode::Node, vec![], vec![])), "pod p").is_ok());
+        let refused = |u: cri::UserNamespace| check_userns(Some(&u), "pod p").unwrap_err();
+        let e = refused(ns(cri::NamespaceMode::Pod, good.clone(), good.clone()));
+        assert!(
+            matches!(&e, Error::Unimplemented(m) if m.starts_with("pod p:")),
+            "{e:?}"
+        );
+        for (u, why) in [
+            (
+                ns(cri::NamespaceMode::Node, good.clone(), vec![]),
+                "takes no ID mappings",
+            ),
+            (
+                ns(cri::NamespaceMode::Pod, vec![], good.clone()),
+                "one UID mapping, got 0",
+            ),
+            (
+                ns(cri::NamespaceMode::Pod, good.clone(), vec![map(1, 0, 5)]),
+                "GID mapping does not map container ID 0",
+            ),
+            (
+                ns(
+                    cri::NamespaceMode::Pod,
+                    vec![map(0, u32::MAX, 2)],
+                    good.clone(),
+                ),
+                "runs past",
+            ),
+            (
+                ns(cri::NamespaceMode::Pod, vec![map(0, 5, 0)], good.clone()),
+                "is empty",
+            ),
+            (
+                ns(cri::NamespaceMode::Container, vec![], vec![]),
+                "CONTAINER is not supported",
+            ),
+            (
+                ns(cri::NamespaceMode::Target, vec![], vec![]),
+                "TARGET is not supported",
+            ),
+            (
+                cri::UserNamespace {
+                    mode: 9,
+                    ..Default::default()
+                },
+                "9 is not a CRI",
+            ),
+        ] {
+            let e = refused(u.clone());
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.starts_with("pod p: user namespace") && m.contains(why)),
+                "{u:?}: {e:?}"
+            );
+        }
+        // The last ID of the node is a valid end of a range.
+        let e = refused(ns(cri::NamespaceMode::Pod, vec![map(0, u32::MAX, 1)], good));
+        assert!(matches!(e, Error::Unimplemented(_)), "{e:?}");
+    }
 
     #[test]
     fn network_usage_always_has_its_default_interface() {

@@ -430,6 +430,17 @@ impl RuntimeService for Runtime {
         })?;
         check_handler(&self.daemon, &req.runtime_handler)
             .map_err(|e| status("RunPodSandbox", e))?;
+        let md = config.metadata.clone().unwrap_or_default();
+        convert::check_userns(
+            config
+                .linux
+                .as_ref()
+                .and_then(|l| l.security_context.as_ref())
+                .and_then(|s| s.namespace_options.as_ref())
+                .and_then(|n| n.userns_options.as_ref()),
+            &format!("pod sandbox {}/{}", md.namespace, md.name),
+        )
+        .map_err(|e| status("RunPodSandbox", e))?;
         let spec = convert::pod_spec(config, req.runtime_handler);
         tracing::debug!(rpc = "RunPodSandbox", name = %spec.name, namespace = %spec.namespace);
         let id = to_completion(&self.daemon, "RunPodSandbox", |d| async move {
