@@ -2908,6 +2908,98 @@ async fn a_volume_below_another_keeps_its_own_propagation() {
     assert_no_leaks(&h, &pod);
 }
 
+/// A volume below a Private one, in a container whose root is shared (it has a Bidirectional
+/// volume): the inner volume is mounted into the outer one's mount in the container, and must
+/// not be propagated to the outer volume's source on the host (which kubelet's hostPath may
+/// have on a shared mount, as systemd makes `/`): there it would outlive the container.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_inside_a_private_one_does_not_reach_the_host() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let host = tempfile::tempdir().unwrap();
+    let (outer, inner, bidir) = (
+        host.path().join("outer"),
+        host.path().join("inner"),
+        host.path().join("bidir"),
+    );
+    let mut mounts = support::HostMounts::default();
+    for dir in [&outer, &inner, &bidir] {
+        std::fs::create_dir(dir).unwrap();
+    }
+    mounts.shared(&outer);
+    mounts.shared(&bidir);
+    std::fs::create_dir(outer.join("sub")).unwrap();
+    std::fs::write(inner.join("marker"), "inner").unwrap();
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let mut cfg = pod_config("inner-volume", logs.path());
+    cfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .privileged = true;
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut cc = container_config("c", &["sleep", "60"]);
+    cc.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .privileged = true;
+    cc.mounts = vec![
+        cri::Mount {
+            container_path: "/bidir".into(),
+            host_path: bidir.display().to_string(),
+            propagation: cri::MountPropagation::PropagationBidirectional as i32,
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/data".into(),
+            host_path: outer.display().to_string(),
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/data/sub".into(),
+            host_path: inner.display().to_string(),
+            ..Default::default()
+        },
+    ];
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(exec(&mut rt, &id, "cat /data/sub/marker").await, "inner");
+    let leaked = |mountinfo: &str| {
+        let sub = outer.join("sub").display().to_string();
+        mountinfo
+            .lines()
+            .filter(|l| l.split(' ').nth(4) == Some(sub.as_str()))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let now = leaked(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
+    // Each one leaked is unmounted when the test ends, whatever it found.
+    for _ in &now {
+        mounts.adopt(&outer.join("sub"));
+    }
+    assert!(now.is_empty(), "the inner volume reached the host: {now:?}");
+    // The copies the create bound from are gone from the host once it is made.
+    let staged: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(&format!("/{id}/staged/")))
+        .map(str::to_string)
+        .collect();
+    assert!(
+        staged.is_empty(),
+        "staged copies left on the host: {staged:?}"
+    );
+    assert!(
+        !outer.join("sub/marker").exists(),
+        "the host sees the inner volume in the outer one's source"
+    );
+    remove_pod(&mut rt, &pod).await;
+    drop(mounts);
+    assert_no_leaks(&h, &pod);
+}
+
 /// A host directory mounted on /dev (a CSI or device plugin's hostPath /dev), however spelt,
 /// is what the container sees there, with the mounts below /dev on top of it (kubelet's
 /// termination log); and what libcontainer makes in /dev (links, device nodes, `ptmx`) is not

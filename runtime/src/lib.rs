@@ -16,6 +16,7 @@ pub mod error;
 pub mod fsat;
 pub mod logs;
 pub mod monitor;
+pub mod mountapi;
 pub mod seccomp;
 pub mod spec;
 pub mod stats;

@@ -498,6 +498,39 @@ pub fn propagation_fixes(s: &ContainerSpec) -> Vec<PropagationFix> {
         .collect()
 }
 
+/// The volumes libcontainer is to bind from a staging copy of their source whose propagation
+/// is already theirs (`mountapi::stage`, made by the daemon for the create), by index in
+/// `s.mounts`. Under a shared root (a Bidirectional mount in the container) libcontainer binds
+/// each volume as a peer of the host's mount of its source, and sets its own propagation only
+/// after the create (`propagation_fixes`): a volume it mounts inside another one meanwhile
+/// would be propagated to the outer one's source on the host (when that is on a shared mount,
+/// as systemd makes `/`), and outlive the container there. So: every volume but a
+/// Bidirectional one that has another mount below it.
+pub fn staged_mounts(s: &ContainerSpec) -> Vec<usize> {
+    if root_propagation(s) != "rshared" {
+        return Vec::new();
+    }
+    let parts: Vec<Vec<&str>> = s
+        .mounts
+        .iter()
+        .map(|m| lexical_parts(&m.destination))
+        .collect();
+    s.mounts
+        .iter()
+        .zip(&parts)
+        .enumerate()
+        .filter(|(_, (m, mine))| {
+            m.propagation != "rshared"
+                && !mine.is_empty()
+                && !is_late(s, m)
+                && parts
+                    .iter()
+                    .any(|o| o.len() > mine.len() && o.starts_with(mine))
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
 /// Whether the mount destination `dest` is /dev or below it, symlinks aside.
 pub fn at_or_below_dev(dest: &str) -> bool {
     lexical_parts(dest).first() == Some(&"dev")
@@ -1178,6 +1211,20 @@ mod tests {
             linux(&generate(&s)).rootfs_propagation().as_deref(),
             Some("shared")
         );
+        // Staged: only /c, which is not shared and has a volume below it ("/c/./inner"); not
+        // /d, shared, nor /dev, a late mount. Under a slave root, none.
+        assert_eq!(staged_mounts(&s), vec![2]);
+        s.mounts.push(bind("/d/x", "rprivate"));
+        s.mounts.push(bind("/a/./", "rprivate"));
+        assert_eq!(
+            staged_mounts(&s),
+            vec![2],
+            "below a shared one; on it, not below it"
+        );
+        s.mounts.push(bind("/b/y/z", "rprivate"));
+        assert_eq!(staged_mounts(&s), vec![1, 2]);
+        s.mounts.retain(|m| m.propagation != "rshared");
+        assert!(staged_mounts(&s).is_empty(), "{:?}", s.mounts);
     }
 
     #[test]

@@ -160,11 +160,17 @@ impl Runtime {
             Ok::<_, Error>(planned)
         })?;
         let spec::Planned {
-            spec: cs,
+            spec: mut cs,
             stop_signal,
             log_path,
             user,
         } = planned;
+        let mut staged = rootfs::Staged::new(&bundle);
+        for i in hako_runtime::spec::staged_mounts(&cs) {
+            let m = &mut cs.mounts[i];
+            m.source = tokio::task::block_in_place(|| staged.add(&m.source, &m.propagation))
+                .map_err(|e| e.context(format!("container {}", req.name)))?;
+        }
         let cgroups_path = cs.cgroups_path.clone();
         let mut oci = oci::generate(&cs);
         hako_runtime::cdi::apply(&mut oci, &cdi)
@@ -221,6 +227,8 @@ impl Runtime {
                 .collect(),
         };
         let created = monitor.create(&create).await;
+        // The container has its copies (or none, failed): the host's go.
+        drop(staged);
         if let Ok(r) = &created {
             // A monitor older than these fields (a pod from before an upgrade) makes none.
             // Without its mounts on /dev the container would run on the wrong /dev: removed.

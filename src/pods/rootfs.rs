@@ -234,6 +234,8 @@ pub fn mount_image_volume(lowers: &[PathBuf], empty: &Path, target: &Path) -> Re
 /// mounted image. Tries every mount and returns the first error.
 pub fn unmount_bundle(bundle: &Path) -> Result<()> {
     let mut first = unmount(&bundle.join("rootfs")).err();
+    // Left by a daemon that stopped during a create.
+    Staged::release(&bundle.join(STAGED));
     let vols = bundle.join(IMAGE_VOLUMES);
     let entries = match std::fs::read_dir(&vols) {
         Ok(e) => e,
@@ -249,6 +251,69 @@ pub fn unmount_bundle(bundle: &Path) -> Result<()> {
         }
     }
     first.map_or(Ok(()), Err)
+}
+
+/// The bundle's directory of staged volume sources.
+pub const STAGED: &str = "staged";
+
+/// Copies of volumes' sources with their own propagation, which libcontainer binds instead of
+/// the sources (`hako_runtime::spec::staged_mounts` says which and why), for the length of a
+/// create: the container's mount namespace has its own copies once it exists, and the host's
+/// are detached when this is dropped.
+pub struct Staged {
+    dir: PathBuf,
+    made: usize,
+}
+
+impl Staged {
+    pub fn new(bundle: &Path) -> Staged {
+        Staged {
+            dir: bundle.join(STAGED),
+            made: 0,
+        }
+    }
+
+    /// Stages `source` with `propagation`; the path to bind it from.
+    pub fn add(&mut self, source: &str, propagation: &str) -> Result<String> {
+        if self.made == 0 {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&self.dir)
+                .map_err(|e| Error::io("create", &self.dir, e))?;
+        }
+        let target = self.dir.join(self.made.to_string());
+        hako_runtime::mountapi::stage(source, &target, propagation).map_err(|e| {
+            // A target made before the mount failed goes with the rest.
+            self.made += 1;
+            Error::FailedPrecondition(format!("stage volume {source}: {e}"))
+        })?;
+        self.made += 1;
+        Ok(target.display().to_string())
+    }
+
+    /// Detaches whatever is mounted in `dir` and removes it.
+    fn release(dir: &Path) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if let Err(e) = unmount(&p) {
+                tracing::warn!(error = %crate::error::chain(&e), "release a staged volume");
+            }
+            let _ = std::fs::remove_dir(&p).or_else(|_| std::fs::remove_file(&p));
+        }
+        let _ = std::fs::remove_dir(dir);
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if self.made > 0 {
+            Staged::release(&self.dir);
+        }
+    }
 }
 
 /// Unmounts `target` if it is mounted; a path that is not a mount point is fine.

@@ -15,74 +15,22 @@
 //! The same child then sets the propagation of the volumes libcontainer made with the root's
 //! instead of their own (`spec::propagation_fixes`).
 
-use std::ffi::CString;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use hako_proto::monitor as pb;
 use nix::sched::{setns, CloneFlags};
 use nix::unistd::{fork, ForkResult, Pid};
 
 use super::wire::Status;
-
-const OPEN_TREE_CLONE: libc::c_uint = 1;
-const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
-const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
-const MOUNT_ATTR_RDONLY: u64 = 0x1;
-const MOUNT_ATTR_NOSUID: u64 = 0x2;
-const MOUNT_ATTR_NODEV: u64 = 0x4;
-const MOUNT_ATTR_NOEXEC: u64 = 0x8;
-const MOUNT_ATTR_ATIME: u64 = 0x70;
-const MOUNT_ATTR_NOATIME: u64 = 0x10;
-const MOUNT_ATTR_NODIRATIME: u64 = 0x80;
-
-/// mount_setattr(2)'s argument.
-#[repr(C)]
-#[derive(Default)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
-}
-
-/// A detached copy of the mount at `path` (relative to `dir`), as a bind mount of it would
-/// be; `flags` add to OPEN_TREE_CLONE (AT_RECURSIVE: the mounts below it too).
-fn clone_tree(dir: RawFd, path: &str, flags: libc::c_int) -> std::io::Result<OwnedFd> {
-    let path = CString::new(path).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    let flags = OPEN_TREE_CLONE | (libc::O_CLOEXEC | flags) as libc::c_uint;
-    // SAFETY: open_tree reads the NUL-terminated path and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_open_tree, dir, path.as_ptr(), flags) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(unsafe_owned(fd as i32))
-}
+use crate::mountapi::{
+    self, clone_tree, mount_setattr, propagation, unsafe_owned, MountAttr, MOUNT_ATTR_ATIME,
+    MOUNT_ATTR_NOATIME, MOUNT_ATTR_NODEV, MOUNT_ATTR_NODIRATIME, MOUNT_ATTR_NOEXEC,
+    MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
+};
 
 fn setattr(tree: &OwnedFd, recursive: bool, attr: &MountAttr, what: &str) -> Result<(), String> {
     mount_setattr(tree, recursive, attr).map_err(|e| format!("set {what}: {e}"))
-}
-
-fn mount_setattr(tree: &OwnedFd, recursive: bool, attr: &MountAttr) -> std::io::Result<()> {
-    let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
-    if recursive {
-        flags |= libc::AT_RECURSIVE as libc::c_uint;
-    }
-    // SAFETY: mount_setattr reads the empty path and `attr`, of the size given.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            flags,
-            attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// The flags of `m`: those of the whole tree, then those of its top mount only (Kubernetes'
@@ -194,33 +142,13 @@ fn mount_point(
     Ok(Some(made))
 }
 
-fn unsafe_owned(fd: std::os::fd::RawFd) -> OwnedFd {
-    // SAFETY: a new fd, just returned by a successful open, ours alone.
-    unsafe { OwnedFd::from_raw_fd(fd) }
-}
-
 /// Whether the detached tree `tree` is a directory's (else a file's).
 fn is_dir(tree: &OwnedFd) -> Result<bool, String> {
-    let st = nix::sys::stat::fstat(tree.as_raw_fd()).map_err(|e| format!("inspect: {e}"))?;
-    Ok(st.st_mode & libc::S_IFMT == libc::S_IFDIR)
+    mountapi::is_dir(tree).map_err(|e| format!("inspect: {e}"))
 }
 
 fn move_onto(tree: &OwnedFd, target: &OwnedFd, what: &str) -> Result<(), String> {
-    // SAFETY: move_mount reads two empty NUL-terminated paths and takes the fds as they are.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_move_mount,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            target.as_raw_fd(),
-            c"".as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
-        )
-    };
-    if r != 0 {
-        return Err(format!("mount {what}: {}", std::io::Error::last_os_error()));
-    }
-    Ok(())
+    mountapi::move_onto(tree, target).map_err(|e| format!("mount {what}: {e}"))
 }
 
 /// The root of the mount namespace entered: the container's (setns sets it).
@@ -296,18 +224,6 @@ fn attach(
         }
     }
     Ok(())
-}
-
-/// The propagation flag a mount option names.
-fn propagation(p: &str) -> Result<u64, String> {
-    match p {
-        "" | "rprivate" => Ok(libc::MS_PRIVATE),
-        "rslave" => Ok(libc::MS_SLAVE),
-        "rshared" => Ok(libc::MS_SHARED),
-        p => Err(format!(
-            "propagation {p:?} is not rprivate, rslave or rshared"
-        )),
-    }
 }
 
 /// Sets each volume's propagation as `fixes` say (its whole tree, or only its top mount when
