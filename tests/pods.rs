@@ -3000,6 +3000,146 @@ async fn a_volume_inside_a_private_one_does_not_reach_the_host() {
     assert_no_leaks(&h, &pod);
 }
 
+/// The mounts on /dev made after the create, seen by a security review (each seen failing
+/// before its fix): a /dev shared with the host (Bidirectional) does not get the
+/// container's own shared memory, message queues and terminals moved onto it, which would
+/// have been copied to the host's /dev; a read-only source below /dev takes no mount point
+/// made in it on the host. And a private /dev under a shared root stays private (it lands on
+/// libcontainer's /dev, which is not shared: were it, it would become shared there).
+#[tokio::test(flavor = "multi_thread")]
+async fn mounts_on_dev_keep_the_containers_own_off_the_host_and_read_only_sources_untouched() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let host = tempfile::tempdir().unwrap();
+    let mut mounts = support::HostMounts::default();
+    let (dev, bidir, ro, empty) = (
+        host.path().join("dev"),
+        host.path().join("bidir"),
+        host.path().join("ro"),
+        host.path().join("empty"),
+    );
+    for d in [&dev, &bidir, &ro, &empty] {
+        std::fs::create_dir(d).unwrap();
+    }
+    for d in ["shm", "pts", "mqueue"] {
+        std::fs::create_dir(dev.join(d)).unwrap();
+    }
+    // Shared, as the host's /dev is under systemd.
+    mounts.shared(&dev);
+    mounts.shared(&bidir);
+    let mut rt = h.runtime().await;
+    let logs = tempfile::tempdir().unwrap();
+    let mut cfg = pod_config("devshared", logs.path());
+    let privileged = |sc: &mut Option<cri::LinuxContainerSecurityContext>| {
+        sc.get_or_insert_with(Default::default).privileged = true;
+    };
+    cfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .privileged = true;
+    let pod = run_pod(&mut rt, &cfg).await;
+    let below_dev = |mountinfo: &str| -> Vec<String> {
+        let prefix = format!("{}/", dev.display());
+        mountinfo
+            .lines()
+            .filter(|l| l.split(' ').nth(4).is_some_and(|p| p.starts_with(&prefix)))
+            .map(str::to_string)
+            .collect()
+    };
+
+    let mut cc = container_config("shared", &["sleep", "60"]);
+    cc.tty = true;
+    privileged(
+        &mut cc
+            .linux
+            .get_or_insert_with(Default::default)
+            .security_context,
+    );
+    cc.mounts = vec![cri::Mount {
+        container_path: "/dev".into(),
+        host_path: dev.display().to_string(),
+        propagation: cri::MountPropagation::PropagationBidirectional as i32,
+        ..Default::default()
+    }];
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    let leaked = below_dev(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
+    for l in &leaked {
+        mounts.adopt(std::path::Path::new(l.split(' ').nth(4).unwrap()));
+    }
+    assert!(
+        leaked.is_empty(),
+        "the container's own mounts reached the host: {leaked:?}"
+    );
+    // The /dev given is the container's, shared with the host both ways.
+    exec(&mut rt, &id, "echo from-container > /dev/marker").await;
+    assert_eq!(
+        std::fs::read_to_string(dev.join("marker")).unwrap(),
+        "from-container\n"
+    );
+
+    // A private /dev beside a Bidirectional volume (a shared root): private in the container.
+    let mut cc = container_config("private", &["sleep", "60"]);
+    privileged(
+        &mut cc
+            .linux
+            .get_or_insert_with(Default::default)
+            .security_context,
+    );
+    cc.mounts = vec![
+        cri::Mount {
+            container_path: "/bidir".into(),
+            host_path: bidir.display().to_string(),
+            propagation: cri::MountPropagation::PropagationBidirectional as i32,
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/dev".into(),
+            host_path: empty.display().to_string(),
+            ..Default::default()
+        },
+    ];
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    let dev_line = exec(&mut rt, &id, "grep ' /dev ' /proc/self/mountinfo").await;
+    assert!(!dev_line.contains("shared:"), "{dev_line}");
+    assert!(exec(&mut rt, &id, "grep ' /bidir ' /proc/self/mountinfo")
+        .await
+        .contains("shared:"));
+
+    // A read-only source below /dev: the termination log's mount point is not made in it.
+    let log = host.path().join("ro.log");
+    std::fs::write(&log, "").unwrap();
+    let mut cc = container_config("readonly", &["sleep", "60"]);
+    cc.mounts = vec![
+        cri::Mount {
+            container_path: "/dev".into(),
+            host_path: empty.display().to_string(),
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/dev/x".into(),
+            host_path: ro.display().to_string(),
+            readonly: true,
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/dev/x/nologin".into(),
+            host_path: log.display().to_string(),
+            ..Default::default()
+        },
+    ];
+    let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+    assert!(e.message().contains("/dev/x/nologin"), "{e:?}");
+    assert!(
+        !ro.join("nologin").exists(),
+        "a mount point was made in the read-only source"
+    );
+    remove_pod(&mut rt, &pod).await;
+    drop(mounts);
+    assert_no_leaks(&h, &pod);
+}
+
 /// A host directory mounted on /dev (a CSI or device plugin's hostPath /dev), however spelt,
 /// is what the container sees there, with the mounts below /dev on top of it (kubelet's
 /// termination log); and what libcontainer makes in /dev (links, device nodes, `ptmx`) is not

@@ -172,8 +172,11 @@ const OWN: &[&str] = &["shm", "mqueue", "pts", "console"];
 
 /// In the child, inside the container's mount namespace: each clone onto its destination,
 /// its propagation and whole-tree flags set before (as the spec's bind would have them from
-/// the start), its top mount's flags once all are in place (a read-only /dev still takes the
-/// termination log's mount point).
+/// the start; libcontainer's /dev, which they land on, is not shared even under a shared
+/// root, so they keep it: tested); its top mount's flags
+/// right after it too (a read-only source takes no mount point made below it, as with runc)
+/// but for a mount on /dev itself, read-only only once all are in place (a read-only /dev
+/// still takes the termination log's mount point).
 fn attach(
     root: &OwnedFd,
     mounts: &[pb::LateMount],
@@ -184,9 +187,16 @@ fn attach(
         return Ok(());
     }
     // libcontainer's own mounts below /dev, cloned before anything covers them; one a mount
-    // given to the container replaces is left under it.
+    // given to the container replaces is left under it. Not onto a /dev shared with the
+    // host (Bidirectional): a mount moved onto it would be copied to the host's /dev and to
+    // every peer (the host's shared memory and terminals would become the container's), so
+    // that container has the given /dev's own, as a bind of it gets them with runc.
+    let shared_dev = mounts
+        .iter()
+        .zip(flags)
+        .any(|(m, (all, _))| m.destination == "/dev" && all.propagation == libc::MS_SHARED);
     let mut own = Vec::new();
-    for name in OWN {
+    for name in OWN.iter().filter(|_| !shared_dev) {
         let dest = format!("/dev/{name}");
         if mounts.iter().any(|m| m.destination == dest) {
             continue;
@@ -201,11 +211,20 @@ fn attach(
             Err(e) => return Err(format!("keep the container's {dest}: {e}")),
         }
     }
-    for (i, ((m, tree), (all, _))) in mounts.iter().zip(trees).zip(flags).enumerate() {
+    let top_flags = |tree: &OwnedFd, top: &MountAttr, dest: &str| {
+        if top.attr_set != 0 || top.attr_clr != 0 {
+            setattr(tree, false, top, &format!("the flags of {dest}"))?;
+        }
+        Ok::<(), String>(())
+    };
+    for (i, ((m, tree), (all, top))) in mounts.iter().zip(trees).zip(flags).enumerate() {
         let dest = &m.destination;
         setattr(tree, true, all, &format!("the flags of {dest}"))?;
         let target = mount_point(root, dest, is_dir(tree)?, true)?.expect("made");
         move_onto(tree, &target, &format!("{} on {dest}", m.source))?;
+        if dest != "/dev" {
+            top_flags(tree, top, dest)?;
+        }
         // Once the mounts on /dev itself are made (the first, shallowest), the container's
         // own go back on top, before the mounts below /dev that may name paths in them.
         let last_on_dev = mounts.get(i + 1).is_none_or(|n| n.destination != "/dev");
@@ -219,8 +238,8 @@ fn attach(
         }
     }
     for ((m, tree), (_, top)) in mounts.iter().zip(trees).zip(flags) {
-        if top.attr_set != 0 || top.attr_clr != 0 {
-            setattr(tree, false, top, &format!("the flags of {}", m.destination))?;
+        if m.destination == "/dev" {
+            top_flags(tree, top, &m.destination)?;
         }
     }
     Ok(())
@@ -303,7 +322,7 @@ pub(super) fn apply(
         .collect::<Result<Vec<_>, _>>()?;
     for m in mounts {
         if m.destination.split('/').any(|p| p == "." || p == "..")
-            || !m.destination.starts_with("/dev")
+            || !(m.destination == "/dev" || m.destination.starts_with("/dev/"))
         {
             return Err(failed(format!(
                 "late mount destination {:?} is not below /dev",
