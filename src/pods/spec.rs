@@ -189,6 +189,13 @@ pub fn container_spec(
     }
     let mut mounts = Vec::new();
     for m in &req.mounts {
+        // Relative, it would resolve against wherever the daemon and the monitor happen to run.
+        if !m.host_path.starts_with('/') {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: mount {}: host path {:?} is not absolute",
+                req.name, m.container_path, m.host_path
+            )));
+        }
         if m.recursive_readonly && !(m.readonly && m.propagation == Propagation::Private) {
             return Err(Error::InvalidArgument(format!(
                 "container {}: recursive read-only mount {} needs readonly and private propagation",
@@ -1113,6 +1120,21 @@ mod tests {
                 let m = e.to_string();
                 assert!(m.contains("/data") && m.contains(bad), "{m}");
             });
+        }
+        for relative in ["srv/data", "", "./x"] {
+            refused(
+                |c: &mut Case| {
+                    c.req.mounts = vec![MountReq {
+                        container_path: "/data".into(),
+                        host_path: relative.into(),
+                        ..Default::default()
+                    }]
+                },
+                |e| {
+                    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+                    assert!(e.to_string().contains("is not absolute"), "{e}");
+                },
+            );
         }
     }
 

@@ -364,12 +364,18 @@ pub(super) fn apply(
     }
     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| failed(format!("pipe: {e}")))?;
+    let helper = nix::unistd::getpid();
     // SAFETY: the helper is single-threaded (forked from the single-threaded monitor).
     match unsafe { fork() }.map_err(|e| failed(format!("fork: {e}")))? {
         ForkResult::Child => {
             drop(r);
             // SAFETY: prctl on this process only; it goes with the helper.
             unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+            // A helper gone before that: nobody waits for these mounts.
+            if nix::unistd::getppid() != helper {
+                // SAFETY: leave at once, touching nothing of the parent's.
+                unsafe { libc::_exit(1) };
+            }
             // A panic must end this process here, reported: unwound, it would reach the
             // helper's own handling as if this were the helper.
             let result = std::panic::catch_unwind(|| {
