@@ -608,6 +608,36 @@ async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_t
             "container with {userns:?}: {e:?}"
         );
     }
+    // A sysctl of no namespace the pod has of its own would be the node's: refused.
+    for (key, host_network) in [
+        ("vm.swappiness", false),
+        ("kernel.core_pattern", false),
+        ("net.ipv4.ip_forward", true),
+    ] {
+        let mut bad = pod_config("sysctl", logs.path());
+        let linux = bad.linux.get_or_insert_with(Default::default);
+        linux.sysctls.insert(key.to_string(), "1".to_string());
+        if host_network {
+            linux
+                .security_context
+                .get_or_insert_with(Default::default)
+                .namespace_options
+                .get_or_insert_with(Default::default)
+                .network = cri::NamespaceMode::Node as i32;
+        }
+        let e = rt
+            .run_pod_sandbox(cri::RunPodSandboxRequest {
+                config: Some(bad),
+                runtime_handler: String::new(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{key}: {e:?}");
+        assert!(
+            e.message().contains("sysctl") && e.message().contains(key),
+            "{key}: {e:?}"
+        );
+    }
     let pods = rt
         .list_pod_sandbox(cri::ListPodSandboxRequest { filter: None })
         .await

@@ -104,6 +104,7 @@ impl Runtime {
                 ))
             })?;
         }
+        check_sysctls(&spec)?;
         let t0 = std::time::Instant::now();
         // Its grace period then passes during this call and the first container's create
         // finds the lock ready (see cgroup_warm).
@@ -138,28 +139,12 @@ impl Runtime {
             uts: spec.network != NsMode::Node,
             pid: spec.pid == NsMode::Pod,
         };
-        let net_sysctls = spec
-            .sysctls
-            .iter()
-            .filter(|(k, _)| ns.network && k.starts_with("net."))
-            .map(|(k, v)| (k.clone(), v.clone()));
-        let ipc_sysctls = spec
-            .sysctls
-            .iter()
-            .filter(|(k, _)| {
-                ns.ipc
-                    && (k.starts_with("kernel.shm")
-                        || k.starts_with("kernel.msg")
-                        || k.starts_with("kernel.sem")
-                        || k.starts_with("fs.mqueue."))
-            })
-            .map(|(k, v)| (k.clone(), v.clone()));
         let opts = MonitorOptions {
             pod_id: id.clone(),
             dir: dir.clone(),
             hostname: spec.hostname.clone(),
             namespaces: ns,
-            sysctls: net_sysctls.chain(ipc_sysctls).collect(),
+            sysctls: spec.sysctls.clone().into_iter().collect(),
         };
         let t_prepared = t0.elapsed();
         let (pid, namespaces, started) = monitor_client::spawn(&opts)
@@ -520,6 +505,33 @@ fn write_pod_files(dir: &Path, spec: &PodSpec) -> Result<()> {
         // Bind-mounted into every container, read by whatever user it runs as.
         std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o644))
             .map_err(|e| Error::io("change mode of", &p, e))?;
+    }
+    Ok(())
+}
+
+/// The pod's sysctls must belong to a namespace the pod has of its own, where the infra
+/// process sets them: a network one with the pod's network, an IPC one with its IPC. Anything
+/// else would be the node's (runc refuses them too; kubelet never sends them).
+fn check_sysctls(spec: &PodSpec) -> Result<()> {
+    for key in spec.sysctls.keys() {
+        let ipc = ["kernel.shm", "kernel.msg", "kernel.sem", "fs.mqueue."]
+            .iter()
+            .any(|p| key.starts_with(p));
+        let why = if key.starts_with("net.") {
+            (spec.network == NsMode::Node)
+                .then_some("is a network one and the pod has the node's network")
+        } else if ipc {
+            (spec.ipc == NsMode::Node)
+                .then_some("is an IPC one and the pod has the node's IPC namespace")
+        } else {
+            Some("is not in a namespace of the pod's (only net.*, kernel.shm*, kernel.msg*, kernel.sem* and fs.mqueue.* are)")
+        };
+        if let Some(why) = why {
+            return Err(Error::InvalidArgument(format!(
+                "pod sandbox {}/{}: sysctl {key:?} {why}",
+                spec.namespace, spec.name
+            )));
+        }
     }
     Ok(())
 }
