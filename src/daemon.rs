@@ -59,16 +59,32 @@ impl Daemon {
         }
         // The layout exists from the start (not when first used), owner-only whatever the
         // umask; an existing install gets its modes fixed here too.
-        for dir in [
-            config.state.join("pods"),
-            config.state.join("containers"),
-            config.root.join("containers"),
-            config.root.join("cni"),
-            config.root.join("cni/results"),
+        // Containers' bundles are reached through one that others may only traverse: a
+        // container in a user namespace is set up by its root, which is not the host's, on
+        // the way to its own bundle (owned by it, every other bundle owner only).
+        for (dir, mode) in [
+            (config.state.join("pods"), 0o700),
+            (config.state.join("containers"), 0o711),
+            (config.root.join("containers"), 0o700),
+            (config.root.join("cni"), 0o700),
+            (config.root.join("cni/results"), 0o700),
         ] {
             std::fs::create_dir_all(&dir).map_err(|e| Error::io("create directory", &dir, e))?;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
                 .map_err(|e| Error::io("change mode of", &dir, e))?;
+        }
+        // Bundles of earlier builds were made with the umask's mode: owner only now.
+        for e in std::fs::read_dir(config.state.join("containers"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            use std::os::unix::fs::MetadataExt;
+            if e.metadata()
+                .is_ok_and(|m| m.is_dir() && m.uid() == 0 && m.mode() & 0o077 != 0)
+            {
+                let _ = std::fs::set_permissions(e.path(), std::fs::Permissions::from_mode(0o700));
+            }
         }
         let store = Arc::new(Store::open(&config.root.join("meta.db"))?);
         // Before the image GC: running pods' records (and their layers' pins) come back

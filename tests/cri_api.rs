@@ -404,8 +404,8 @@ async fn mount_options_reach_the_bind_mount_and_only_restrict() {
 
 /// What a process cannot carry (a NUL byte in an environment value or an argument, an empty
 /// or `=` name) is refused at create, INVALID_ARGUMENT naming the container or the image and
-/// the variable, whether the pod spec or the image gave it; nothing is left behind. So is a
-/// user namespace, which hako does not make.
+/// the variable, whether the pod spec or the image gave it; nothing is left behind. So are user
+/// namespace options no runtime could honour, and sysctls outside the pod's namespaces.
 #[tokio::test(flavor = "multi_thread")]
 async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_their_source() {
     let Some((reg, h)) = ready().await else {
@@ -526,8 +526,8 @@ async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_t
             "{e:?}"
         );
     }
-    // A user namespace hako cannot make is refused, never ignored (the pod would run as the
-    // node's root): malformed options as such, kubelet's own shape as not supported.
+    // A user namespace no runtime could make is refused, never ignored (the pod would run as
+    // the node's root).
     let map = |container_id, host_id, length| cri::IdMapping {
         container_id,
         host_id,
@@ -539,11 +539,6 @@ async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_t
         uids,
     };
     let cases = [
-        (
-            pod_mode(vec![map(0, 65536, 65536)]),
-            tonic::Code::Unimplemented,
-            "not supported",
-        ),
         (
             pod_mode(vec![map(1, 65536, 65536)]),
             tonic::Code::InvalidArgument,
@@ -594,7 +589,7 @@ async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_t
             e.message().contains("userns") && e.message().contains(why),
             "pod with {userns:?}: {e:?}"
         );
-        // A container of a pod without one asks for it: refused the same way.
+        // A container asks for it: refused the same way.
         let mut cc = container_config("userns-ctr", &["sleep", "60"]);
         cc.linux
             .get_or_insert_with(Default::default)
@@ -608,6 +603,19 @@ async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_t
             "container with {userns:?}: {e:?}"
         );
     }
+    // A container asking for a user namespace its pod does not have is refused.
+    let mut cc = container_config("userns-ctr", &["sleep", "60"]);
+    cc.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .namespace_options = Some(cri::NamespaceOption {
+        userns_options: Some(pod_mode(vec![map(0, 65536, 65536)])),
+        ..Default::default()
+    });
+    let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("is not its pod's (none)"), "{e:?}");
     // A sysctl of no namespace the pod has of its own would be the node's: refused.
     for (key, host_network) in [
         ("vm.swappiness", false),

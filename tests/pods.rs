@@ -2908,6 +2908,199 @@ async fn a_volume_below_another_keeps_its_own_propagation() {
     assert_no_leaks(&h, &pod);
 }
 
+/// A pod with a user namespace of its own (kubelet's `hostUsers: false`, CRI mode POD): its
+/// processes are the host IDs it maps, never the host's root; the image's files, its volumes
+/// and hako's pod files are its root's through ID-mapped mounts, and what it writes to a volume
+/// lands as the host's root's; exec runs in the same namespace; nothing is left behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_with_its_own_user_namespace_runs_as_the_host_ids_it_maps() {
+    let Some((_reg, h)) = ready().await else {
+        return;
+    };
+    let mut rt = h.runtime().await;
+    let status = rt
+        .status(cri::StatusRequest { verbose: false })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        status
+            .runtime_handlers
+            .iter()
+            .all(|h| h.features.as_ref().is_some_and(|f| f.user_namespaces)),
+        "{:?}: {}",
+        status.runtime_handlers,
+        h.log_text()
+            .lines()
+            .filter(|l| l.contains("user namespaces"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let vol = tempfile::tempdir().unwrap();
+    std::fs::write(vol.path().join("from-host"), "x").unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let mut cfg = pod_config("userns", logs.path());
+    let map = vec![cri::IdMapping {
+        container_id: 0,
+        host_id: 165536,
+        length: 65536,
+    }];
+    let ns = cri::NamespaceOption {
+        userns_options: Some(cri::UserNamespace {
+            mode: cri::NamespaceMode::Pod as i32,
+            uids: map.clone(),
+            gids: map,
+        }),
+        ..Default::default()
+    };
+    cfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .namespace_options = Some(ns.clone());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut cc = container_config("c", &["sleep", "600"]);
+    cc.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .namespace_options = Some(ns.clone());
+    cc.mounts = vec![cri::Mount {
+        container_path: "/vol".into(),
+        host_path: vol.path().display().to_string(),
+        ..Default::default()
+    }];
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    let uid_map = exec(&mut rt, &id, "cat /proc/self/uid_map /proc/self/gid_map").await;
+    let fields: Vec<Vec<&str>> = uid_map
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(
+        fields,
+        [["0", "165536", "65536"], ["0", "165536", "65536"]],
+        "{uid_map}"
+    );
+    // Its root owns its image's files, its volume, the host's files in it and /etc/hosts.
+    assert_eq!(
+        exec(
+            &mut rt,
+            &id,
+            "stat -c %u:%g / /bin /vol /vol/from-host /etc/hosts"
+        )
+        .await,
+        "0:0\n0:0\n0:0\n0:0\n0:0"
+    );
+    // It writes as its root: to its rootfs and its volume, which the host sees as root's.
+    exec(
+        &mut rt,
+        &id,
+        "echo y > /vol/from-container && echo z > /written && id -u",
+    )
+    .await;
+    let meta = std::fs::metadata(vol.path().join("from-container")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((meta.uid(), meta.gid()), (0, 0));
+    // On the host, its processes are the mapped IDs.
+    let pid = container_pid(&mut rt, &id).await;
+    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let ids = |key: &str| {
+        st.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .map(|v| v.split_whitespace().collect::<Vec<_>>())
+            .unwrap()
+    };
+    assert_eq!(ids("Uid:"), ["165536"; 4], "{st}");
+    assert_eq!(ids("Gid:"), ["165536"; 4], "{st}");
+    // A container asking for another user namespace than its pod's, or none, is refused.
+    for other in [None, Some(cri::NamespaceOption::default())] {
+        let mut cc = container_config("other", &["sleep", "600"]);
+        cc.linux
+            .get_or_insert_with(Default::default)
+            .security_context
+            .get_or_insert_with(Default::default)
+            .namespace_options = other;
+        let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains("is not its pod's"), "{e:?}");
+    }
+    // What cannot be ID-mapped here (an image volume's overlay, a mount on /dev made after
+    // the create) is refused, naming it.
+    for (m, why) in [
+        (
+            cri::Mount {
+                container_path: "/img".into(),
+                image: Some(cri::ImageSpec {
+                    image: IMAGE.into(),
+                    ..Default::default()
+                }),
+                readonly: true,
+                ..Default::default()
+            },
+            "image volume /img",
+        ),
+        (
+            cri::Mount {
+                container_path: "/dev".into(),
+                host_path: vol.path().display().to_string(),
+                ..Default::default()
+            },
+            "a mount on /dev",
+        ),
+    ] {
+        let mut cc = container_config("unmappable", &["sleep", "600"]);
+        cc.linux
+            .get_or_insert_with(Default::default)
+            .security_context
+            .get_or_insert_with(Default::default)
+            .namespace_options = Some(ns.clone());
+        cc.mounts = vec![m];
+        let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(why), "{e:?}");
+    }
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+    // As kubelet makes pods, each container with a PID namespace of its own (made in the
+    // user namespace) instead of the pod's shared one.
+    let mut ns = ns;
+    ns.pid = cri::NamespaceMode::Container as i32;
+    let mut cfg = pod_config("userns-pid", logs.path());
+    cfg.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .namespace_options = Some(ns.clone());
+    let pod = run_pod(&mut rt, &cfg).await;
+    let mut cc = container_config("c", &["sleep", "600"]);
+    cc.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .namespace_options = Some(ns);
+    let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(
+        exec(
+            &mut rt,
+            &id,
+            "cat /proc/self/uid_map; echo $$; stat -c %u /proc/1"
+        )
+        .await
+        .split_whitespace()
+        .collect::<Vec<_>>()[..3],
+        ["0", "165536", "65536"]
+    );
+    let pid = container_pid(&mut rt, &id).await;
+    let st = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(
+        st.lines().any(|l| l.split_whitespace().collect::<Vec<_>>()
+            == ["Uid:", "165536", "165536", "165536", "165536"]),
+        "{st}"
+    );
+    remove_pod(&mut rt, &pod).await;
+    assert_no_leaks(&h, &pod);
+}
+
 /// A volume below a Private one, in a container whose root is shared (it has a Bidirectional
 /// volume): the inner volume is mounted into the outer one's mount in the container, and must
 /// not be propagated to the outer volume's source on the host (which kubelet's hostPath may

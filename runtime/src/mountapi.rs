@@ -16,6 +16,7 @@ pub const MOUNT_ATTR_NOEXEC: u64 = 0x8;
 pub const MOUNT_ATTR_ATIME: u64 = 0x70;
 pub const MOUNT_ATTR_NOATIME: u64 = 0x10;
 pub const MOUNT_ATTR_NODIRATIME: u64 = 0x80;
+pub const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 
 /// mount_setattr(2)'s argument.
 #[repr(C)]
@@ -105,7 +106,14 @@ pub fn is_dir(fd: &OwnedFd) -> std::io::Result<bool> {
 /// must exist) a copy of `source` and of everything mounted below it, as a recursive bind
 /// mount of it would be, with `propagation` all the way down. `source` resolves as mount(2)
 /// resolves a bind's source.
-pub fn stage(source: &str, target: &Path, propagation: &str) -> Result<(), String> {
+/// With `userns`, the copy is ID-mapped through that user namespace (its root sees the
+/// files the host's root owns as its own).
+pub fn stage(
+    source: &str,
+    target: &Path,
+    propagation: &str,
+    userns: Option<&OwnedFd>,
+) -> Result<(), String> {
     use nix::fcntl::OFlag;
     let flag = self::propagation(propagation)?;
     let tree = clone_tree(libc::AT_FDCWD, source, libc::AT_RECURSIVE)
@@ -119,6 +127,9 @@ pub fn stage(source: &str, target: &Path, propagation: &str) -> Result<(), Strin
         },
     )
     .map_err(|e| format!("set the propagation of a copy of {source}: {e}"))?;
+    if let Some(ns) = userns {
+        idmap(&tree, ns).map_err(|e| format!("map the IDs of a copy of {source}: {e}"))?;
+    }
     let made = if is_dir(&tree).map_err(|e| format!("inspect {source}: {e}"))? {
         std::fs::DirBuilder::new().mode(0o700).create(target)
     } else {
@@ -139,6 +150,112 @@ pub fn stage(source: &str, target: &Path, propagation: &str) -> Result<(), Strin
     .map_err(|e| format!("open {}: {e}", target.display()))?;
     move_onto(&tree, &at)
         .map_err(|e| format!("mount a copy of {source} on {}: {e}", target.display()))
+}
+
+/// ID-maps the detached `tree` and the mounts below it through the user namespace `userns`.
+pub fn idmap(tree: &OwnedFd, userns: &OwnedFd) -> std::io::Result<()> {
+    mount_setattr(
+        tree,
+        true,
+        &MountAttr {
+            attr_set: MOUNT_ATTR_IDMAP,
+            userns_fd: userns.as_raw_fd() as u64,
+            ..Default::default()
+        },
+    )
+}
+
+const FSOPEN_CLOEXEC: libc::c_uint = 1;
+const FSMOUNT_CLOEXEC: libc::c_uint = 1;
+const FSCONFIG_SET_FLAG: libc::c_uint = 0;
+const FSCONFIG_SET_FD: libc::c_uint = 5;
+const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+
+fn fsconfig(
+    fs: &OwnedFd,
+    cmd: libc::c_uint,
+    key: Option<&std::ffi::CStr>,
+    fd: libc::c_int,
+) -> std::io::Result<()> {
+    // SAFETY: fsconfig reads the NUL-terminated key (or none) and takes the fd as it is.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            cmd,
+            key.map_or(std::ptr::null(), |k| k.as_ptr()),
+            std::ptr::null::<libc::c_void>(),
+            fd,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Mounts at `target` an overlay of `lowers` (topmost first), each an ID-mapped copy through
+/// `userns`, under `upper` and `work` as they are: the files the host's root owns in the image
+/// are the namespace's root's, and the layers stay shared with every other container. The
+/// writable layer is not mapped (overlayfs works in it as its mounter, the host's root, which
+/// the mapping does not name: it could not make its work directory nor copy a file up): what
+/// the container writes there is its host IDs', as the caller makes the layer's root.
+/// overlayfs itself cannot be ID-mapped, its layers can (Linux 5.19); handed over as
+/// descriptors (Linux 6.13), nothing but the overlay is attached on the host. `volatile` as
+/// `mount_overlay` has it.
+pub fn overlay_idmapped(
+    lowers: &[std::path::PathBuf],
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+    userns: &OwnedFd,
+    volatile: bool,
+) -> std::io::Result<()> {
+    use nix::fcntl::OFlag;
+    // Which step failed, for the message.
+    let step =
+        |what: &str, e: std::io::Error| std::io::Error::new(e.kind(), format!("{what}: {e}"));
+    let dir = |p: &Path| {
+        nix::fcntl::open(
+            p,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map(unsafe_owned)
+        .map_err(std::io::Error::from)
+    };
+    // SAFETY: fsopen reads the NUL-terminated name and returns a new fd or -1.
+    let fs = unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) };
+    if fs < 0 {
+        return Err(step("fsopen overlay", std::io::Error::last_os_error()));
+    }
+    let fs = unsafe_owned(fs as RawFd);
+    // Held until the overlay is made: a detached copy is gone with its last descriptor.
+    let mut held = Vec::with_capacity(lowers.len());
+    for l in lowers {
+        let s = l.to_str().ok_or(std::io::ErrorKind::InvalidInput)?;
+        let tree = clone_tree(libc::AT_FDCWD, s, 0).map_err(|e| step("copy a layer", e))?;
+        idmap(&tree, userns).map_err(|e| step("map a layer's IDs", e))?;
+        fsconfig(&fs, FSCONFIG_SET_FD, Some(c"lowerdir+"), tree.as_raw_fd())
+            .map_err(|e| step("lowerdir+", e))?;
+        held.push(tree);
+    }
+    let (upper, work) = (dir(upper)?, dir(work)?);
+    fsconfig(&fs, FSCONFIG_SET_FD, Some(c"upperdir"), upper.as_raw_fd())
+        .map_err(|e| step("upperdir", e))?;
+    fsconfig(&fs, FSCONFIG_SET_FD, Some(c"workdir"), work.as_raw_fd())
+        .map_err(|e| step("workdir", e))?;
+    if volatile {
+        fsconfig(&fs, FSCONFIG_SET_FLAG, Some(c"volatile"), 0).map_err(|e| step("volatile", e))?;
+    }
+    fsconfig(&fs, FSCONFIG_CMD_CREATE, None, 0).map_err(|e| step("create", e))?;
+    // SAFETY: fsmount takes the configured context and returns a new mount fd or -1.
+    let m = unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, 0) };
+    if m < 0 {
+        return Err(step("fsmount", std::io::Error::last_os_error()));
+    }
+    let m = unsafe_owned(m as RawFd);
+    move_onto(&m, &dir(target)?).map_err(|e| step("attach", e))
 }
 
 pub fn unsafe_owned(fd: RawFd) -> OwnedFd {

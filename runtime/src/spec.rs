@@ -224,6 +224,13 @@ pub struct ContainerSpec {
     pub ipc: Option<Ns>,
     pub uts: Option<Ns>,
     pub pid: Option<Ns>,
+    /// The pod's user namespace to join (`None`: the host's).
+    #[serde(default)]
+    pub user: Option<Ns>,
+    /// No cgroup namespace: a container in a user namespace on cgroup v1, whose hierarchies
+    /// cannot be mounted there (libcontainer binds the host's instead).
+    #[serde(default)]
+    pub no_cgroup_ns: bool,
     pub privileged: bool,
     pub add_capabilities: Vec<String>,
     pub drop_capabilities: Vec<String>,
@@ -313,6 +320,9 @@ fn namespaces(s: &ContainerSpec) -> Vec<LinuxNamespace> {
         n
     };
     let mut out = vec![ns(LinuxNamespaceType::Mount, None)];
+    if let Some(Ns::Join(path)) = &s.user {
+        out.push(ns(LinuxNamespaceType::User, Some(path)));
+    }
     for (kind, which) in [
         (LinuxNamespaceType::Network, &s.network),
         (LinuxNamespaceType::Ipc, &s.ipc),
@@ -326,7 +336,9 @@ fn namespaces(s: &ContainerSpec) -> Vec<LinuxNamespace> {
         }
     }
     // A cgroup namespace hides the host's hierarchy, as containerd does on cgroup v2.
-    out.push(ns(LinuxNamespaceType::Cgroup, None));
+    if !s.no_cgroup_ns {
+        out.push(ns(LinuxNamespaceType::Cgroup, None));
+    }
     out
 }
 
@@ -1090,6 +1102,32 @@ mod tests {
                 );
             },
         );
+        // The pod's user namespace, joined first; no cgroup namespace when told (cgroup v1
+        // in a user namespace).
+        let kinds = |s: &Spec| -> Vec<(LinuxNamespaceType, Option<PathBuf>)> {
+            linux(s)
+                .namespaces()
+                .iter()
+                .flatten()
+                .map(|n| (n.typ(), n.path().clone()))
+                .collect()
+        };
+        for no_cgroup_ns in [false, true] {
+            check(
+                |s| {
+                    s.user = Some(Ns::Join("/p/ns/user".into()));
+                    s.no_cgroup_ns = no_cgroup_ns;
+                },
+                |s| {
+                    let ns = kinds(s);
+                    assert_eq!(ns[1], (LinuxNamespaceType::User, Some("/p/ns/user".into())));
+                    assert_eq!(
+                        ns.iter().any(|(t, _)| *t == LinuxNamespaceType::Cgroup),
+                        !no_cgroup_ns
+                    );
+                },
+            );
+        }
     }
 
     #[test]

@@ -71,6 +71,13 @@ impl Runtime {
         // before anything is made, and their layers are pinned with the container's own.
         let mut volume_images = Vec::new();
         for m in &req.mounts {
+            // An image volume is an overlay, which cannot be ID-mapped.
+            if m.image.is_some() && pod.spec.userns.is_some() {
+                return Err(Error::InvalidArgument(format!(
+                    "container {}: image volume {} in a pod with a user namespace is not supported",
+                    req.name, m.container_path
+                )));
+            }
             if let Some(name) = &m.image {
                 volume_images.push(self.images.find(name)?.ok_or_else(|| {
                     Error::NotFound(format!(
@@ -133,13 +140,52 @@ impl Runtime {
         let target_pid = target.as_ref().map(|(_, pid)| *pid);
         let root = bundle.join("rootfs");
         let t_prepared = t0.elapsed();
-        rootfs::mount_overlay(
-            &lowers,
-            &layer.join("upper"),
-            &layer.join("work"),
-            &root,
-            &self.volatile_layers,
-        )?;
+        let userns = match pod.spec.userns {
+            None => None,
+            Some(_) => {
+                let path = pod.namespaces.get("user").ok_or_else(|| {
+                    Error::FailedPrecondition(format!(
+                        "create container {} in pod {}: its monitor made no user namespace \
+                         (started before hako supported them): recreate the pod",
+                        req.name, pod.id
+                    ))
+                })?;
+                let f =
+                    std::fs::File::open(path).map_err(|e| Error::io("open", Path::new(path), e))?;
+                Some(std::os::fd::OwnedFd::from(f))
+            }
+        };
+        // Owner only: the host's root's, or the root of the container's user namespace, which
+        // sets it up (and is no other user of the node).
+        rootfs::create_dirs(&bundle, 0o700)?;
+        if let Some(ids) = &pod.spec.userns {
+            nix::unistd::chown(
+                &bundle,
+                Some(nix::unistd::Uid::from_raw(ids.uid.host_id)),
+                Some(nix::unistd::Gid::from_raw(ids.gid.host_id)),
+            )
+            .map_err(|e| Error::io("change owner of", &bundle, e.into()))?;
+        }
+        match (&userns, &pod.spec.userns) {
+            (Some(ns), Some(ids)) => tokio::task::block_in_place(|| {
+                rootfs::mount_overlay_userns(
+                    &lowers,
+                    &layer.join("upper"),
+                    &layer.join("work"),
+                    &root,
+                    ns,
+                    ids,
+                    &self.volatile_layers,
+                )
+            })?,
+            _ => rootfs::mount_overlay(
+                &lowers,
+                &layer.join("upper"),
+                &layer.join("work"),
+                &root,
+                &self.volatile_layers,
+            )?,
+        }
         let t_mounted = t0.elapsed();
         // Checks the rootfs's /dev and reads the image's account files, devices and profiles:
         // bounded, but still file I/O, so off the async workers. All of it before the spec,
@@ -165,8 +211,27 @@ impl Runtime {
             log_path,
             user,
         } = planned;
-        let mut staged = rootfs::Staged::new(&bundle);
-        for i in hako_runtime::spec::staged_mounts(&cs) {
+        let late_mounts = hako_runtime::spec::late_mounts(&cs);
+        // In a user namespace every volume is bound from a staged copy ID-mapped through it.
+        let to_stage: Vec<usize> = match &userns {
+            Some(_) if !late_mounts.is_empty() => {
+                return Err(Error::InvalidArgument(format!(
+                    "container {}: a mount on /dev in a pod with a user namespace is not supported",
+                    req.name
+                )))
+            }
+            Some(_) => (0..cs.mounts.len()).collect(),
+            None => hako_runtime::spec::staged_mounts(&cs),
+        };
+        let mut staged = rootfs::Staged::new(
+            &bundle,
+            userns
+                .as_ref()
+                .map(|f| f.try_clone())
+                .transpose()
+                .map_err(|e| Error::io("duplicate", Path::new("the pod's user namespace"), e))?,
+        );
+        for i in to_stage {
             let m = &mut cs.mounts[i];
             m.source = tokio::task::block_in_place(|| staged.add(&m.source, &m.propagation))
                 .map_err(|e| e.context(format!("container {}", req.name)))?;
@@ -178,7 +243,6 @@ impl Runtime {
         if !cdi_names.is_empty() {
             tracing::info!(container = %id, devices = ?cdi_names, "CDI devices injected");
         }
-        let late_mounts = hako_runtime::spec::late_mounts(&cs);
         let propagation_fixes = hako_runtime::spec::propagation_fixes(&cs);
         // A CDI mount below /dev would be made before, and so under, the /dev given.
         if let Some(m) = oci.mounts().iter().flatten().find(|m| {
@@ -367,6 +431,8 @@ impl Runtime {
             apparmor_profile: apparmor_profile(sec, &req.name)?,
             oom_floor: self.oom_floor,
             cap_limit: self.cap_limit.clone(),
+            cgroup2: nix::sys::statfs::statfs("/sys/fs/cgroup")
+                .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC),
         })
     }
 

@@ -205,6 +205,9 @@ pub struct Runtime {
     warm_pods: Arc<std::sync::Mutex<HashMap<String, hako_runtime::cgroup_warm::Hold>>>,
     network: Arc<Network>,
     cdi: Arc<hako_runtime::cdi::Registry>,
+    /// Why pods cannot have a user namespace of their own here, if they cannot (tried once at
+    /// start: `rootfs::userns_probe`).
+    userns_missing: Option<String>,
 }
 
 /// What the CRI layer shows of a pod: its record, and NotReady while its monitor does not
@@ -248,7 +251,13 @@ impl Runtime {
     ) -> Runtime {
         let cap_limit = hako_runtime::spec::own_bounding_set();
         let (live, lost) = live::Live::new();
+        let userns_missing = rootfs::userns_probe(&root_dir.join("containers")).err();
+        match &userns_missing {
+            None => tracing::info!("pods may have user namespaces of their own"),
+            Some(why) => tracing::warn!(why, "pods cannot have user namespaces of their own here"),
+        }
         Runtime {
+            userns_missing,
             oom_floor: host::oom_floor(config.restrict_oom_score_adj, &cap_limit),
             volatile_layers: std::sync::atomic::AtomicBool::new(!config.sync_writable_layers),
             store,
@@ -266,6 +275,12 @@ impl Runtime {
             network,
             cdi,
         }
+    }
+
+    /// Whether pods may have a user namespace of their own here (the runtime handler's
+    /// `user_namespaces`).
+    pub fn userns_supported(&self) -> bool {
+        self.userns_missing.is_none()
     }
 
     fn pod_dir(&self, id: &str) -> PathBuf {

@@ -42,17 +42,7 @@ pub fn mount_overlay(
     target: &Path,
     volatile: &AtomicBool,
 ) -> Result<()> {
-    for d in [work, target] {
-        std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
-    }
-    // The upper dir's own mode is the container's `/`: 0755, or a non-root user could not
-    // reach anything (its parents, owner only, keep host users out).
-    create_dirs(upper, 0o755)?;
-    std::fs::set_permissions(upper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .map_err(|e| Error::io("change mode of", upper, e))?;
-    if lowers.is_empty() {
-        return Err(Error::InvalidArgument("image has no layers".into()));
-    }
+    overlay_dirs(lowers, upper, work, target)?;
     let lower = lowers
         .iter()
         .map(|p| p.display().to_string())
@@ -64,6 +54,52 @@ pub fn mount_overlay(
         work.display()
     );
     overlay_with(target, &data, "volatile", volatile, lowers.len())
+}
+
+/// The directories of a container's overlay, made.
+fn overlay_dirs(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Path) -> Result<()> {
+    for d in [work, target] {
+        std::fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
+    }
+    // The upper dir's own mode is the container's `/`: 0755, or a non-root user could not
+    // reach anything (its parents, owner only, keep host users out).
+    create_dirs(upper, 0o755)?;
+    std::fs::set_permissions(upper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .map_err(|e| Error::io("change mode of", upper, e))?;
+    if lowers.is_empty() {
+        return Err(Error::InvalidArgument("image has no layers".into()));
+    }
+    Ok(())
+}
+
+/// `mount_overlay` for a container in the user namespace `ns` (`ids` its mappings): the
+/// layers ID-mapped through it, the writable layer's root its root's on the host
+/// (`hako_runtime::mountapi::overlay_idmapped`).
+pub fn mount_overlay_userns(
+    lowers: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+    ns: &std::os::fd::OwnedFd,
+    ids: &hako_runtime::monitor::UserNs,
+    volatile: &AtomicBool,
+) -> Result<()> {
+    overlay_dirs(lowers, upper, work, target)?;
+    nix::unistd::chown(
+        upper,
+        Some(nix::unistd::Uid::from_raw(ids.uid.host_id)),
+        Some(nix::unistd::Gid::from_raw(ids.gid.host_id)),
+    )
+    .map_err(|e| Error::io("change owner of", upper, e.into()))?;
+    hako_runtime::mountapi::overlay_idmapped(
+        lowers,
+        upper,
+        work,
+        target,
+        ns,
+        volatile.load(Ordering::Relaxed),
+    )
+    .map_err(|e| Error::io("mount an ID-mapped overlay at", target, e))
 }
 
 /// An overlay mount of `data` at `target` with `option` added while `wanted` holds; when the
@@ -253,6 +289,79 @@ pub fn unmount_bundle(bundle: &Path) -> Result<()> {
     first.map_or(Ok(()), Err)
 }
 
+/// A user namespace for trying ID-mapped mounts: a `sleep` unshares it, its maps are written,
+/// it is held by the descriptor returned, and the `sleep` is gone.
+fn scratch_userns() -> std::result::Result<std::os::fd::OwnedFd, String> {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("sleep");
+    cmd.arg("60");
+    // SAFETY: unshare is async-signal-safe; the child then execs.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER).map_err(Into::into)
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("start sleep in a user namespace: {e}"))?;
+    let held = (|| {
+        let proc = format!("/proc/{}", child.id());
+        for file in ["uid_map", "gid_map"] {
+            std::fs::write(format!("{proc}/{file}"), "0 65536 65536\n")
+                .map_err(|e| format!("write {file}: {e}"))?;
+        }
+        std::fs::File::open(format!("{proc}/ns/user"))
+            .map(std::os::fd::OwnedFd::from)
+            .map_err(|e| format!("open its user namespace: {e}"))
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    held
+}
+
+/// Whether containers of pods with a user namespace can be given their root filesystem here:
+/// an ID-mapped overlay in `dir` (on the filesystem of the image layers and writable layers),
+/// tried once. Why not, when not.
+pub fn userns_probe(dir: &Path) -> std::result::Result<(), String> {
+    let ns = scratch_userns()?;
+    let name = format!(".userns-probe-{}", std::process::id());
+    let (low, top) = (dir.join(format!("{name}-lower")), dir.join(name));
+    let tried = (|| {
+        for d in [
+            low.clone(),
+            top.join("upper"),
+            top.join("work"),
+            top.join("root"),
+        ] {
+            std::fs::create_dir_all(&d).map_err(|e| format!("create {}: {e}", d.display()))?;
+        }
+        std::fs::write(low.join("f"), "").map_err(|e| format!("create a file: {e}"))?;
+        let root = top.join("root");
+        hako_runtime::mountapi::overlay_idmapped(
+            std::slice::from_ref(&low),
+            &top.join("upper"),
+            &top.join("work"),
+            &root,
+            &ns,
+            false,
+        )
+        .map_err(|e| format!("ID-mapped overlay: {e}"))?;
+        let owner =
+            std::fs::metadata(root.join("f")).map(|m| std::os::unix::fs::MetadataExt::uid(&m));
+        let _ = umount2(&root, MntFlags::MNT_DETACH);
+        match owner {
+            Ok(65536) => Ok(()),
+            Ok(uid) => Err(format!(
+                "the ID-mapped overlay shows a file of the host's root as {uid}'s, not 65536's"
+            )),
+            Err(e) => Err(format!("inspect the ID-mapped overlay: {e}")),
+        }
+    })();
+    let _ = std::fs::remove_dir_all(&low);
+    let _ = std::fs::remove_dir_all(&top);
+    tried
+}
+
 /// The bundle's directory of staged volume sources.
 pub const STAGED: &str = "staged";
 
@@ -263,13 +372,16 @@ pub const STAGED: &str = "staged";
 pub struct Staged {
     dir: PathBuf,
     made: usize,
+    /// The pod's user namespace, when it has one: each copy is ID-mapped through it.
+    userns: Option<std::os::fd::OwnedFd>,
 }
 
 impl Staged {
-    pub fn new(bundle: &Path) -> Staged {
+    pub fn new(bundle: &Path, userns: Option<std::os::fd::OwnedFd>) -> Staged {
         Staged {
             dir: bundle.join(STAGED),
             made: 0,
+            userns,
         }
     }
 
@@ -277,17 +389,26 @@ impl Staged {
     pub fn add(&mut self, source: &str, propagation: &str) -> Result<String> {
         if self.made == 0 {
             use std::os::unix::fs::DirBuilderExt;
+            // Traversable: in a user namespace the container's root binds from here (the
+            // bundle around it is owner only).
             std::fs::DirBuilder::new()
                 .mode(0o700)
                 .create(&self.dir)
                 .map_err(|e| Error::io("create", &self.dir, e))?;
+            std::fs::set_permissions(
+                &self.dir,
+                std::os::unix::fs::PermissionsExt::from_mode(0o711),
+            )
+            .map_err(|e| Error::io("change mode of", &self.dir, e))?;
         }
         let target = self.dir.join(self.made.to_string());
-        hako_runtime::mountapi::stage(source, &target, propagation).map_err(|e| {
-            // A target made before the mount failed goes with the rest.
-            self.made += 1;
-            Error::FailedPrecondition(format!("stage volume {source}: {e}"))
-        })?;
+        hako_runtime::mountapi::stage(source, &target, propagation, self.userns.as_ref()).map_err(
+            |e| {
+                // A target made before the mount failed goes with the rest.
+                self.made += 1;
+                Error::FailedPrecondition(format!("stage volume {source}: {e}"))
+            },
+        )?;
         self.made += 1;
         Ok(target.display().to_string())
     }

@@ -105,6 +105,21 @@ impl Runtime {
             })?;
         }
         check_sysctls(&spec)?;
+        if spec.userns.is_some() {
+            if let Some(why) = &self.userns_missing {
+                return Err(Error::Unimplemented(format!(
+                    "pod sandbox {}/{}: user namespaces are not supported on this node: {why}",
+                    spec.namespace, spec.name
+                )));
+            }
+            if [spec.network, spec.pid, spec.ipc].contains(&NsMode::Node) {
+                return Err(Error::InvalidArgument(format!(
+                    "pod sandbox {}/{}: a user namespace of its own with the node's network, PID \
+                     or IPC namespace is not supported",
+                    spec.namespace, spec.name
+                )));
+            }
+        }
         let t0 = std::time::Instant::now();
         // Its grace period then passes during this call and the first container's create
         // finds the lock ready (see cgroup_warm).
@@ -145,6 +160,7 @@ impl Runtime {
             hostname: spec.hostname.clone(),
             namespaces: ns,
             sysctls: spec.sysctls.clone().into_iter().collect(),
+            userns: spec.userns,
         };
         let t_prepared = t0.elapsed();
         let (pid, namespaces, started) = monitor_client::spawn(&opts)

@@ -40,6 +40,8 @@ pub struct Inputs {
     pub oom_floor: Option<i32>,
     /// The daemon's bounding set.
     pub cap_limit: Vec<String>,
+    /// The node's cgroups are cgroup v2 (unified).
+    pub cgroup2: bool,
 }
 
 /// A user as the image's /etc/passwd and /etc/group resolve it.
@@ -238,17 +240,17 @@ pub fn container_spec(
             });
         }
     }
-    let join = |kind: &str| {
+    // A pod with a user namespace has its network and PID ones held by the monitor too:
+    // joined through those (see `infra::hold_ipc_uts`).
+    let held = |kind: &str| {
         pod.namespaces
-            .get(kind)
-            .map(|p| Ns::Join(p.clone()))
-            .unwrap_or(Ns::Host)
+            .get(&format!("{kind}-held"))
+            .or_else(|| pod.namespaces.get(kind))
     };
+    let join = |kind: &str| held(kind).map(|p| Ns::Join(p.clone())).unwrap_or(Ns::Host);
     let pid = match (sec.pid, pod.spec.pid) {
         (NsMode::Pod, NsMode::Node) | (NsMode::Node, _) => Ns::Host,
-        (NsMode::Pod, NsMode::Pod) => pod
-            .namespaces
-            .get("pid")
+        (NsMode::Pod, NsMode::Pod) => held("pid")
             .map(|p| Ns::Join(p.clone()))
             .ok_or_else(|| Error::Internal(format!("pod {} has no PID namespace", pod.id)))?,
         // A pod without a shared PID namespace: the container gets its own.
@@ -259,6 +261,34 @@ pub fn container_spec(
                 .target_pid
                 .ok_or_else(|| Error::Internal("PID target not resolved".into()))?
         )),
+    };
+    // A container is in its pod's user namespace or in none, as kubelet asks: never one the
+    // pod lacks, never out of the pod's (its namespaces are that namespace's).
+    if req.userns != pod.spec.userns {
+        return Err(Error::InvalidArgument(format!(
+            "container {}: user namespace {} is not its pod's ({})",
+            req.name,
+            userns_text(req.userns.as_ref()),
+            userns_text(pod.spec.userns.as_ref())
+        )));
+    }
+    let user = match pod.spec.userns {
+        None => None,
+        Some(_) if sec.privileged => {
+            return Err(Error::InvalidArgument(format!(
+                "container {}: privileged in a pod with a user namespace",
+                req.name
+            )))
+        }
+        Some(_) => Some(Ns::Join(pod.namespaces.get("user").cloned().ok_or_else(
+            || {
+                Error::FailedPrecondition(format!(
+                    "pod sandbox {}: its monitor made no user namespace (started before hako \
+                 supported them): recreate the pod",
+                    pod.id
+                ))
+            },
+        )?)),
     };
     let cgroup_parent = pod_cgroup(pod);
     let mut cs = ContainerSpec {
@@ -278,6 +308,8 @@ pub fn container_spec(
         ipc: Some(join("ipc")),
         uts: Some(join("uts")),
         pid: Some(pid),
+        no_cgroup_ns: user.is_some() && !inputs.cgroup2,
+        user,
         privileged: sec.privileged,
         add_capabilities: sec.add_capabilities.clone(),
         drop_capabilities: sec.drop_capabilities.clone(),
@@ -556,6 +588,21 @@ pub fn cgroupfs_path(parent: &str) -> String {
         path.push_str(".slice");
     }
     path
+}
+
+fn userns_text(u: Option<&hako_runtime::monitor::UserNs>) -> String {
+    match u {
+        None => "none".into(),
+        Some(u) => format!(
+            "UIDs 0-{} as {}-{}, GIDs 0-{} as {}-{}",
+            u.uid.length - 1,
+            u.uid.host_id,
+            u.uid.host_id as u64 + u.uid.length as u64 - 1,
+            u.gid.length - 1,
+            u.gid.host_id,
+            u.gid.host_id as u64 + u.gid.length as u64 - 1
+        ),
+    }
 }
 
 #[cfg(test)]
@@ -1016,7 +1063,57 @@ mod tests {
                     Some(Ns::Join("/run/hako/pods/p1/ns/network".into()))
                 );
                 assert_eq!(p.spec.pid, Some(Ns::New));
+                assert_eq!(p.spec.user, None);
             },
+        );
+        // A pod's user namespace: its containers join it, and only they.
+        let ids = |host_id| hako_runtime::monitor::UserNs {
+            uid: hako_runtime::monitor::IdRange {
+                host_id,
+                length: 65536,
+            },
+            gid: hako_runtime::monitor::IdRange {
+                host_id,
+                length: 65536,
+            },
+        };
+        let in_userns = |c: &mut Case| {
+            c.pod.spec.userns = Some(ids(65536));
+            c.pod.namespaces.insert("user".into(), "/pd/ns/user".into());
+            c.req.userns = Some(ids(65536));
+        };
+        check(in_userns, |p| {
+            assert_eq!(p.spec.user, Some(Ns::Join("/pd/ns/user".into())));
+            assert!(p.spec.no_cgroup_ns, "cgroup v1 in the test inputs");
+        });
+        let other = ids(131072);
+        type Tweak = Box<dyn Fn(&mut Case)>;
+        let tweaks: [(Tweak, &str); 4] = [
+            (Box::new(|c| c.req.userns = None), "is not its pod's"),
+            (
+                Box::new(move |c| c.req.userns = Some(other)),
+                "is not its pod's",
+            ),
+            (Box::new(|c| c.req.security.privileged = true), "privileged"),
+            (
+                Box::new(|c| {
+                    c.pod.namespaces.remove("user");
+                }),
+                "made no user namespace",
+            ),
+        ];
+        for (tweak, why) in tweaks {
+            refused(
+                |c| {
+                    in_userns(c);
+                    tweak(c);
+                },
+                |e| assert!(e.to_string().contains(why), "{e}"),
+            );
+        }
+        refused(
+            |c| c.req.userns = Some(ids(65536)),
+            |e| assert!(e.to_string().contains("is not its pod's (none)"), "{e}"),
         );
         // A pod on the host's network has no network namespace to join.
         check(

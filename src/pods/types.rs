@@ -53,6 +53,9 @@ pub struct PodSpec {
     pub pid: NsMode,
     pub ipc: NsMode,
     pub runtime_handler: String,
+    /// A user namespace of the pod's own (CRI mode POD), which owns its other namespaces.
+    #[serde(default)]
+    pub userns: Option<hako_runtime::monitor::UserNs>,
 }
 
 impl PodSpec {
@@ -195,6 +198,9 @@ pub struct ContainerSpecReq {
     /// Kubernetes' `lifecycle.stopSignal`); it wins over the image's STOPSIGNAL.
     #[serde(default)]
     pub stop_signal: Option<String>,
+    /// The user namespace asked for: its pod's (mode POD) or none (mode NODE).
+    #[serde(default)]
+    pub userns: Option<hako_runtime::monitor::UserNs>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -85,23 +85,25 @@ fn ns_mode_cri(m: NsMode) -> i32 {
     }) as i32
 }
 
-/// The user namespace a pod or container asks for (`what` names it in errors). hako runs
-/// nothing in a user namespace of its own yet, and its runtime handler says so
-/// (`user_namespaces: false`), so kubelet never asks; a client that asks anyway is refused
-/// instead of being given a pod whose root is the node's root. Options no runtime could honour
-/// (containerd and CRI-O refuse them too: kubelet's mode is POD with one mapping from ID 0)
-/// are refused as such, before the missing support is.
-pub fn check_userns(u: Option<&cri::UserNamespace>, what: &str) -> Result<(), Error> {
-    let Some(u) = u else { return Ok(()) };
+/// The user namespace a pod or container asks for (`what` names it in errors): its own for
+/// mode POD with one mapping from container ID 0 each for users and groups (kubelet's shape),
+/// none for mode NODE or no options. Anything else no runtime could honour is refused
+/// (containerd and CRI-O refuse it too); whether hako can make one here is the runtime's call.
+pub fn userns(
+    u: Option<&cri::UserNamespace>,
+    what: &str,
+) -> Result<Option<hako_runtime::monitor::UserNs>, Error> {
+    let Some(u) = u else { return Ok(None) };
     let bad = |why: String| {
         Err(Error::InvalidArgument(format!(
             "{what}: user namespace {why}"
         )))
     };
     match cri::NamespaceMode::try_from(u.mode) {
-        Ok(cri::NamespaceMode::Node) if u.uids.is_empty() && u.gids.is_empty() => Ok(()),
+        Ok(cri::NamespaceMode::Node) if u.uids.is_empty() && u.gids.is_empty() => Ok(None),
         Ok(cri::NamespaceMode::Node) => bad("mode NODE takes no ID mappings".into()),
         Ok(cri::NamespaceMode::Pod) => {
+            let mut ranges = Vec::new();
             for (kind, maps) in [("UID", &u.uids), ("GID", &u.gids)] {
                 let [m] = maps.as_slice() else {
                     return bad(format!(
@@ -121,11 +123,15 @@ pub fn check_userns(u: Option<&cri::UserNamespace>, what: &str) -> Result<(), Er
                         m.length, m.host_id
                     ));
                 }
+                ranges.push(hako_runtime::monitor::IdRange {
+                    host_id: m.host_id,
+                    length: m.length,
+                });
             }
-            Err(Error::Unimplemented(format!(
-                "{what}: user namespaces (mode POD) are not supported by hako; its runtime \
-                 handler reports user_namespaces false"
-            )))
+            Ok(Some(hako_runtime::monitor::UserNs {
+                uid: ranges[0],
+                gid: ranges[1],
+            }))
         }
         Ok(mode) => bad(format!(
             "mode {} is not supported (only NODE or POD)",
@@ -182,6 +188,7 @@ pub fn pod_spec(c: cri::PodSandboxConfig, runtime_handler: String) -> PodSpec {
             _ => NsMode::Pod,
         },
         runtime_handler,
+        userns: None,
     }
 }
 
@@ -349,7 +356,7 @@ pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error>
     let s = linux.security_context.unwrap_or_default();
     let caps = s.capabilities.clone().unwrap_or_default();
     let ns = s.namespace_options.clone().unwrap_or_default();
-    check_userns(
+    let userns = userns(
         ns.userns_options.as_ref(),
         &format!("container {}", md.name),
     )?;
@@ -430,6 +437,7 @@ pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error>
             apparmor: apparmor(s.apparmor.as_ref(), &s.apparmor_profile),
         },
         stop_signal,
+        userns,
     })
 }
 
@@ -748,7 +756,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn user_namespaces_are_refused_and_malformed_ones_said_so() {
+    fn user_namespaces_are_read_and_malformed_ones_refused_saying_why() {
         let map = |container_id, host_id, length| cri::IdMapping {
             container_id,
             host_id,
@@ -759,15 +767,29 @@ mod tests {
             uids,
             gids,
         };
+        let range = |host_id, length| hako_runtime::monitor::IdRange { host_id, length };
         let good = vec![map(0, 65536, 65536)];
-        assert!(check_userns(None, "pod p").is_ok());
-        assert!(check_userns(Some(&ns(cri::NamespaceMode::Node, vec![], vec![])), "pod p").is_ok());
-        let refused = |u: cri::UserNamespace| check_userns(Some(&u), "pod p").unwrap_err();
-        let e = refused(ns(cri::NamespaceMode::Pod, good.clone(), good.clone()));
-        assert!(
-            matches!(&e, Error::Unimplemented(m) if m.starts_with("pod p:")),
-            "{e:?}"
+        assert_eq!(userns(None, "pod p").unwrap(), None);
+        assert_eq!(
+            userns(Some(&ns(cri::NamespaceMode::Node, vec![], vec![])), "pod p").unwrap(),
+            None
         );
+        assert_eq!(
+            userns(
+                Some(&ns(
+                    cri::NamespaceMode::Pod,
+                    good.clone(),
+                    vec![map(0, 1000, 5)]
+                )),
+                "pod p"
+            )
+            .unwrap(),
+            Some(hako_runtime::monitor::UserNs {
+                uid: range(65536, 65536),
+                gid: range(1000, 5)
+            })
+        );
+        let refused = |u: cri::UserNamespace| userns(Some(&u), "pod p").unwrap_err();
         for (u, why) in [
             (
                 ns(cri::NamespaceMode::Node, good.clone(), vec![]),
@@ -816,8 +838,8 @@ mod tests {
             );
         }
         // The last ID of the node is a valid end of a range.
-        let e = refused(ns(cri::NamespaceMode::Pod, vec![map(0, u32::MAX, 1)], good));
-        assert!(matches!(e, Error::Unimplemented(_)), "{e:?}");
+        let last = ns(cri::NamespaceMode::Pod, vec![map(0, u32::MAX, 1)], good);
+        assert!(userns(Some(&last), "pod p").is_ok());
     }
 
     #[test]

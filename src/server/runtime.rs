@@ -212,7 +212,7 @@ impl RuntimeService for Runtime {
                     name,
                     features: Some(cri::RuntimeHandlerFeatures {
                         recursive_read_only_mounts: true,
-                        user_namespaces: false,
+                        user_namespaces: self.daemon.runtime.userns_supported(),
                     }),
                 })
                 .collect(),
@@ -431,7 +431,7 @@ impl RuntimeService for Runtime {
         check_handler(&self.daemon, &req.runtime_handler)
             .map_err(|e| status("RunPodSandbox", e))?;
         let md = config.metadata.clone().unwrap_or_default();
-        convert::check_userns(
+        let userns = convert::userns(
             config
                 .linux
                 .as_ref()
@@ -441,7 +441,8 @@ impl RuntimeService for Runtime {
             &format!("pod sandbox {}/{}", md.namespace, md.name),
         )
         .map_err(|e| status("RunPodSandbox", e))?;
-        let spec = convert::pod_spec(config, req.runtime_handler);
+        let mut spec = convert::pod_spec(config, req.runtime_handler);
+        spec.userns = userns;
         tracing::debug!(rpc = "RunPodSandbox", name = %spec.name, namespace = %spec.namespace);
         let id = to_completion(&self.daemon, "RunPodSandbox", |d| async move {
             d.runtime.run_pod(spec).await

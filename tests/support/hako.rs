@@ -67,6 +67,13 @@ impl Hako {
         prepare: impl FnOnce(&std::path::Path),
     ) -> Hako {
         let dir = tempfile::tempdir().unwrap();
+        // Traversable, as /run is above hako's state dir on a node: the root of a container's
+        // user namespace finds its bundle through it (the state dir keeps its own modes).
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )
+        .unwrap();
         prepare(dir.path());
         let root = dir.path().join("root");
         let certs_d = dir.path().join("certs.d");

@@ -12,7 +12,7 @@ use std::io::{Read, Write};
 use std::path::Path;
 
 use nix::mount::{mount, MsFlags};
-use nix::sched::{unshare, CloneFlags};
+use nix::sched::{setns, unshare, CloneFlags};
 use nix::sys::wait::{waitpid, WaitStatus};
 use nix::unistd::{fork, ForkResult, Pid};
 use serde::{Deserialize, Serialize};
@@ -27,6 +27,82 @@ pub struct NamespaceSet {
     pub ipc: bool,
     pub uts: bool,
     pub pid: bool,
+}
+
+/// A pod's user namespace: container IDs from 0 mapped to `length` host IDs from `host_id`,
+/// for users and for groups (CRI's mode POD, one mapping each, as kubelet gives it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UserNs {
+    pub uid: IdRange,
+    pub gid: IdRange,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdRange {
+    pub host_id: u32,
+    pub length: u32,
+}
+
+/// Makes the pod's user namespace and pins it at `<dir>/ns/user`: a child unshares it and
+/// waits while this process (root in the host's) writes its maps, then goes; the pin holds
+/// the namespace. Made before the infra process, which enters it before making the others,
+/// so that the pod's network, IPC, UTS and PID namespaces are its (sysfs, proc and mqueue are
+/// mountable in the containers, the pod's sysctls are its root's).
+fn make_userns(dir: &Path, u: &UserNs) -> Result<String> {
+    let (ready_r, ready_w) = nix::unistd::pipe().map_err(|e| Error::sys("pipe", e))?;
+    let (done_r, done_w) = nix::unistd::pipe().map_err(|e| Error::sys("pipe", e))?;
+    // SAFETY: called before the monitor starts any thread.
+    let child = match unsafe { fork() }.map_err(|e| Error::sys("fork", e))? {
+        ForkResult::Child => {
+            drop(ready_r);
+            drop(done_w);
+            let mut ready = std::fs::File::from(ready_w);
+            let ok = unshare(CloneFlags::CLONE_NEWUSER).is_ok();
+            let _ = ready.write_all(if ok { b"k" } else { b"E" });
+            drop(ready);
+            // Until the monitor has pinned the namespace (it closes its end).
+            let _ = std::fs::File::from(done_r).read(&mut [0u8; 1]);
+            // SAFETY: leave at once; the monitor reaps this process.
+            unsafe { libc::_exit(0) }
+        }
+        ForkResult::Parent { child } => child,
+    };
+    drop(ready_w);
+    drop(done_r);
+    let made = (|| {
+        let mut b = [0u8; 1];
+        let n = std::fs::File::from(ready_r)
+            .read(&mut b)
+            .map_err(|e| Error::sys("read user namespace report", e))?;
+        if n != 1 || b[0] != b'k' {
+            return Err(Error::Helper(
+                "unshare the pod's user namespace failed".into(),
+            ));
+        }
+        let proc = format!("/proc/{}", child.as_raw());
+        for (file, r) in [("uid_map", u.uid), ("gid_map", u.gid)] {
+            let path = format!("{proc}/{file}");
+            std::fs::write(&path, format!("0 {} {}\n", r.host_id, r.length))
+                .map_err(|e| Error::io("write", Path::new(&path), e))?;
+        }
+        let ns_dir = dir.join("ns");
+        std::fs::create_dir_all(&ns_dir).map_err(|e| Error::io("create", &ns_dir, e))?;
+        let target = ns_dir.join("user");
+        std::fs::File::create(&target).map_err(|e| Error::io("create", &target, e))?;
+        let source = format!("{proc}/ns/user");
+        mount(
+            Some(source.as_str()),
+            &target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| Error::sys(format!("pin user namespace at {}", target.display()), e))?;
+        Ok(target.to_string_lossy().into_owned())
+    })();
+    drop(done_w);
+    let _ = waitpid(child, None);
+    made
 }
 
 /// Sets IFF_UP on `lo` in the current network namespace.
@@ -76,6 +152,12 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
     unsafe { libc::close(super::READY_FD) };
     let ns = opts.namespaces;
     let setup = || -> Result<()> {
+        if opts.userns.is_some() {
+            let path = opts.dir.join("ns").join("user");
+            let f = std::fs::File::open(&path).map_err(|e| Error::io("open", &path, e))?;
+            setns(f, CloneFlags::CLONE_NEWUSER)
+                .map_err(|e| Error::sys("enter the pod's user namespace", e))?;
+        }
         let mut flags = CloneFlags::empty();
         if ns.network {
             flags |= CloneFlags::CLONE_NEWNET;
@@ -133,7 +215,11 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
         match child {
             0 => {
                 die_with_monitor(monitor);
-                if let Err(e) = confine() {
+                // In a user namespace, an ID it maps (kubelet's map 65536).
+                let id = opts.userns.map_or(POD_INIT_ID, |u| {
+                    POD_INIT_ID.min(u.uid.length.min(u.gid.length).saturating_sub(1))
+                });
+                if let Err(e) = confine(id) {
                     let _ = writeln!(report, "Econfine the pod's PID 1: {}", e.chain());
                     // SAFETY: leave at once; the monitor reaps this process.
                     unsafe { libc::_exit(1) };
@@ -194,7 +280,7 @@ const POD_INIT_ID: u32 = 65535;
 /// mount table and its root filesystem. Like a pause container it gets an empty read-only root
 /// of its own, uid and gid 65535 with no capability (bounding set included), no new
 /// privileges, and it is not dumpable.
-fn confine() -> Result<()> {
+fn confine(id: u32) -> Result<()> {
     scrub_cmdline_and_environ()?;
     unshare(CloneFlags::CLONE_NEWNS).map_err(|e| Error::sys("unshare mount namespace", e))?;
     mount(
@@ -245,7 +331,6 @@ fn confine() -> Result<()> {
             return Err(Error::sys(format!("drop capability {cap}"), e));
         }
     }
-    let id = POD_INIT_ID;
     nix::unistd::setgroups(&[]).map_err(|e| Error::sys("setgroups", e))?;
     let gid = nix::unistd::Gid::from_raw(id);
     nix::unistd::setresgid(gid, gid, gid).map_err(|e| Error::sys("setresgid", e))?;
@@ -340,6 +425,26 @@ pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>)> {
     if !(ns.network || ns.ipc || ns.uts || ns.pid) && opts.sysctls.is_empty() {
         return Ok((None, HashMap::new()));
     }
+    let user = match &opts.userns {
+        Some(u) => Some(make_userns(&opts.dir, u)?),
+        None => None,
+    };
+    let spawned = spawn_infra(opts);
+    match (spawned, user) {
+        (Ok((pid, mut paths)), Some(user)) => {
+            paths.insert("user".to_string(), user);
+            Ok((pid, paths))
+        }
+        (Err(e), Some(_)) => {
+            unpin_files(&opts.dir, &["user"]);
+            Err(e)
+        }
+        (r, None) => r,
+    }
+}
+
+fn spawn_infra(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>)> {
+    let ns = opts.namespaces;
     let (r, w) = nix::unistd::pipe().map_err(|e| Error::sys("pipe", e))?;
     // SAFETY: called before the monitor starts any thread.
     let pid = match unsafe { fork() }.map_err(|e| Error::sys("fork infra", e))? {
@@ -449,11 +554,20 @@ fn hold_ipc_uts(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
     let ns = opts.namespaces;
     let mut paths = HashMap::new();
     let mut held = Vec::new();
-    for (kind, wanted) in [("ipc", ns.ipc), ("uts", ns.uts)] {
+    // In a user namespace, the network and PID ones too (as "network-held", "pid-held"):
+    // libcontainer joins them after it has become the namespace's root, which the path to
+    // their pins (owner only, the host's root's) does not let through.
+    let user = opts.userns.is_some();
+    for (kind, file, wanted) in [
+        ("ipc", "ipc", ns.ipc),
+        ("uts", "uts", ns.uts),
+        ("network-held", "net", user && ns.network),
+        ("pid-held", "pid", user && ns.pid),
+    ] {
         if !wanted {
             continue;
         }
-        let source = format!("/proc/{}/ns/{kind}", infra.as_raw());
+        let source = format!("/proc/{}/ns/{file}", infra.as_raw());
         let f = std::fs::File::open(&source).map_err(|e| Error::io("open", &source, e))?;
         paths.insert(kind.to_string(), format!("/proc/self/fd/{}", f.as_raw_fd()));
         held.push(f);
@@ -476,13 +590,13 @@ pub(super) fn held_fds() -> impl Iterator<Item = std::os::fd::RawFd> {
 /// Releases pinned namespaces (unmounts the bind mounts; `ipc` and `uts` too, which monitors
 /// of earlier builds pinned).
 pub fn unpin(dir: &Path) {
-    unpin_files(dir, &["net", "ipc", "uts", "pid"]);
+    unpin_files(dir, &["net", "ipc", "uts", "pid", "user"]);
 }
 
 /// Releases the pinned namespaces but the network one, which CNI DEL is still to be run in
 /// (a pod whose monitor is lost keeps it until StopPodSandbox has run DEL).
 pub fn unpin_all_but_network(dir: &Path) {
-    unpin_files(dir, &["ipc", "uts", "pid"]);
+    unpin_files(dir, &["ipc", "uts", "pid", "user"]);
     // Only a pin that still holds the namespace: a plain file left where one was (its mount
     // gone with a reboot, the state dir kept) would be handed to DEL as a namespace path,
     // which plugins refuse, and the stop would fail for good.

@@ -63,10 +63,24 @@ pub(super) fn prepare(bundle: &Path, target_ns: Option<RawFd>) -> Result<Option<
     else {
         return Ok(None);
     };
-    // Named through this process's pid, not `self`: the process that opens a path may be
-    // another (libcontainer's intermediate process, the init).
-    let own_fd = |fd: RawFd| serde_json::json!(format!("/proc/{}/fd/{fd}", std::process::id()));
     let of_type = |n: &serde_json::Value, t: &str| n["type"].as_str() == Some(t);
+    // The pod's user namespace, when the container joins one: the mount namespace is made in
+    // it (its init, that namespace's root, could not enter one of the host's).
+    let userns = namespaces
+        .iter()
+        .find(|n| of_type(n, "user"))
+        .and_then(|n| n["path"].as_str())
+        .map(str::to_string);
+    // Named through this process's pid, not `self`: the process that opens a path may be
+    // another (libcontainer's intermediate process, the init). In a user namespace through
+    // `self`: the init, that namespace's root, may not look into this process's fd table, and
+    // has a copy of it (a descendant that has not exec'd).
+    let own_fd = |fd: RawFd| {
+        serde_json::json!(match userns {
+            Some(_) => format!("/proc/self/fd/{fd}"),
+            None => format!("/proc/{}/fd/{fd}", std::process::id()),
+        })
+    };
     let Some(pid_entry) = namespaces
         .iter_mut()
         .find(|n| of_type(n, "pid") && n.get("path").is_some())
@@ -82,7 +96,7 @@ pub(super) fn prepare(bundle: &Path, target_ns: Option<RawFd>) -> Result<Option<
         .find(|n| of_type(n, "mount") && n.get("path").is_none())
     {
         Some(mnt) => {
-            let ns = mount_ns_with_proc_of(&pid_ns)?;
+            let ns = mount_ns_with_proc_of(&pid_ns, userns.as_deref())?;
             mnt["path"] = own_fd(ns.as_raw_fd());
             Some(ns)
         }
@@ -112,7 +126,7 @@ fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 
 /// A new mount namespace, a copy of this process's, with the procfs of the PID namespace at
 /// `pid_ns` on /proc.
-fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd> {
+fn mount_ns_with_proc_of(pid_ns: &str, userns: Option<&str>) -> Result<OwnedFd> {
     let open_ns = |p: &str| {
         open(p, OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())
             .map(|fd| {
@@ -123,6 +137,7 @@ fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd> {
     };
     let target = open_ns(pid_ns)?;
     let own = open_ns("/proc/self/ns/pid")?;
+    let user = userns.map(open_ns).transpose()?;
     let pipe = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| Error::sys("pipe", e));
     let (ready_r, ready_w) = pipe()?;
     let (hold_r, hold_w) = pipe()?;
@@ -133,7 +148,7 @@ fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd> {
     if let Ok(ForkResult::Child) = forked {
         drop(ready_r);
         drop(hold_w);
-        mounter(ready_w, hold_r)
+        mounter(ready_w, hold_r, user)
     }
     // What this process forks next (libcontainer's intermediate process) must be born in our
     // own PID namespace, as libcontainer expects: the init pid it reports is then the one the
@@ -165,8 +180,12 @@ fn mount_ns_with_proc_of(pid_ns: &str) -> Result<OwnedFd> {
 }
 
 /// Runs in the child forked into the joined PID namespace: never returns.
-fn mounter(ready: OwnedFd, hold: OwnedFd) -> ! {
+fn mounter(ready: OwnedFd, hold: OwnedFd, user: Option<OwnedFd>) -> ! {
     let setup = || -> Result<()> {
+        if let Some(user) = user {
+            setns(user, CloneFlags::CLONE_NEWUSER)
+                .map_err(|e| Error::sys("enter the pod's user namespace", e))?;
+        }
         unshare(CloneFlags::CLONE_NEWNS).map_err(|e| Error::sys("unshare mount namespace", e))?;
         // Only our copy of the /proc mount leaves its peer group, so the procfs mounted on it
         // stays here; the rest of the tree keeps the propagation libcontainer then sets.

@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::logs::LogWriter;
 
-pub use infra::{unpin as unpin_namespaces, unpin_all_but_network, NamespaceSet};
+pub use infra::{unpin as unpin_namespaces, unpin_all_but_network, IdRange, NamespaceSet, UserNs};
 
 /// How the daemon starts a monitor (as arguments of `hako monitor`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -47,6 +47,9 @@ pub struct Options {
     pub namespaces: NamespaceSet,
     /// Network sysctls set inside the pod's network namespace.
     pub sysctls: Vec<(String, String)>,
+    /// The pod's own user namespace, which owns its other namespaces.
+    #[serde(default)]
+    pub userns: Option<UserNs>,
 }
 
 /// The recorded end of a container, written before it is reported.

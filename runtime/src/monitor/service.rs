@@ -1291,6 +1291,7 @@ impl Svc {
             pfile,
             seccomp,
             hold,
+            userns,
             ..
         } = plan;
         let (out_r, out_w) = pipe()?;
@@ -1303,6 +1304,7 @@ impl Svc {
         let process = pfile.clone();
         let built = in_helper(&self.state, inherit, move |stdio| {
             let [stdin, out_w, err_w] = stdio.expect("stdio given");
+            super::streams::enter_userns(userns.as_deref())?;
             ContainerBuilder::new(id.clone(), SyscallType::default())
                 .with_executor(Workload { seccomp })
                 .with_root_path(root)

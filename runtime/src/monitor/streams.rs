@@ -338,6 +338,21 @@ pub(super) struct ExecPlan {
     /// The container's init, held from the reaper, and its exec slot, until the exec's helper
     /// has answered.
     pub(super) hold: super::ExecHold,
+    /// The pod's user namespace, which the exec's helper enters first: libcontainer 0.7
+    /// joins a container's other namespaces for an exec but not that one, and the process
+    /// would run as the host's root in them.
+    pub(super) userns: Option<std::path::PathBuf>,
+}
+
+/// In an exec's helper, before libcontainer: into the pod's user namespace, if it has one.
+pub(super) fn enter_userns(userns: Option<&std::path::Path>) -> Result<(), Status> {
+    if let Some(path) = userns {
+        let f = std::fs::File::open(path)
+            .map_err(|e| Status::internal(format!("exec: open {}: {e}", path.display())))?;
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWUSER)
+            .map_err(|e| Status::internal(format!("exec: enter the pod's user namespace: {e}")))?;
+    }
+    Ok(())
 }
 
 /// Waits for `id`'s exec slot, checks that it is running and plans `cmd` in it (see
@@ -350,7 +365,7 @@ pub(super) async fn plan_exec(
 ) -> Result<ExecPlan, Status> {
     let slot = exec_slot(state, id).await?;
     let not_running = || Status::failed_precondition(format!("container {id} is not running"));
-    let (bundle, cdir, root, hold) = {
+    let (bundle, cdir, root, hold, userns) = {
         let mut st = state.lock().expect("state");
         let c = st
             .containers
@@ -373,6 +388,7 @@ pub(super) async fn plan_exec(
             st.opts.container_dir(id),
             st.opts.youki_root(),
             hold,
+            st.opts.userns.map(|_| st.opts.dir.join("ns").join("user")),
         )
     };
     if cmd.is_empty() {
@@ -411,6 +427,7 @@ pub(super) async fn plan_exec(
         seccomp,
         nanos,
         hold,
+        userns,
     })
 }
 
@@ -444,6 +461,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
         seccomp,
         nanos,
         hold,
+        userns,
     } = plan_exec(state, &req.id, &req.cmd, req.tty).await?;
     // A terminal's init sends its master over a socket of this exec's own (execs run at once).
     let console_dir = cdir.join(format!("exec-{nanos}"));
@@ -487,6 +505,7 @@ async fn start_exec(state: &Shared, req: &pb::ExecRequest) -> Result<Started, St
     };
     let built = in_helper(state, inherit, move |stdio| {
         let [child_in, child_out, child_err] = stdio.expect("stdio given");
+        enter_userns(userns.as_deref())?;
         ContainerBuilder::new(id.clone(), SyscallType::default())
             .with_executor(Workload { seccomp })
             .with_root_path(root)
