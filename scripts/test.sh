@@ -37,8 +37,10 @@ cargo test --workspace --locked -- --test-threads=2
 #   Summary API: expects PSI and the kubelet/runtime/misc system containers (cgroup v1 here).
 # A spec that fails gets one more attempt, as Kubernetes' own node e2e jobs give; the summary
 # names every spec that needed it. About 12 minutes on 16 suite processes.
-# With them, the 7 ImageVolume specs (GA in 1.36, labelled Feature:ImageVolume, not NodeConformance).
-HAKO_NODE_CONFORMANCE_LABELS='(NodeConformance && !Serial && !Slow && !Flaky && !Disruptive && Feature: isEmpty) || (Feature: containsAny ImageVolume && !Serial && !Slow && !Flaky && !Disruptive)' \
+# With them, the 7 ImageVolume specs (GA in 1.36, labelled Feature:ImageVolume, not NodeConformance)
+# and the 9 user namespace ones (hostUsers: false, GA in 1.36, Feature:UserNamespacesSupport; one
+# skips itself here: kubelet has no subordinate ID range configured).
+HAKO_NODE_CONFORMANCE_LABELS='(NodeConformance && !Serial && !Slow && !Flaky && !Disruptive && Feature: isEmpty) || (Feature: containsAny {ImageVolume, UserNamespacesSupport} && !Serial && !Slow && !Flaky && !Disruptive)' \
 HAKO_NODE_CONFORMANCE_STRICT=1 HAKO_NODE_CONFORMANCE_PROCS=16 HAKO_NODE_CONFORMANCE_ATTEMPTS=2 \
   HAKO_NODE_CONFORMANCE_SKIP='\[sig-node\] (Secrets|ConfigMap) should be consumable via the environment |\[sig-node\] PrivilegedPod should enable privileged commands |\[sig-node\] Summary API when querying /stats/summary should report resource usage through the stats api ' \
   bash scripts/node-conformance.sh target/node-conformance/ci

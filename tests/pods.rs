@@ -2965,12 +2965,39 @@ async fn a_pod_with_its_own_user_namespace_runs_as_the_host_ids_it_maps() {
         .security_context
         .get_or_insert_with(Default::default)
         .namespace_options = Some(ns.clone());
-    cc.mounts = vec![cri::Mount {
-        container_path: "/vol".into(),
-        host_path: vol.path().display().to_string(),
+    // CAP_SYS_ADMIN in its user namespace, which a pod may add: it may mount, but not make
+    // a read-only volume writable.
+    cc.linux
+        .get_or_insert_with(Default::default)
+        .security_context
+        .get_or_insert_with(Default::default)
+        .capabilities = Some(cri::Capability {
+        add_capabilities: vec!["SYS_ADMIN".into()],
         ..Default::default()
-    }];
+    });
+    let ro = tempfile::tempdir().unwrap();
+    cc.mounts = vec![
+        cri::Mount {
+            container_path: "/vol".into(),
+            host_path: vol.path().display().to_string(),
+            ..Default::default()
+        },
+        cri::Mount {
+            container_path: "/ro".into(),
+            host_path: ro.path().display().to_string(),
+            readonly: true,
+            ..Default::default()
+        },
+    ];
     let id = run_container(&mut rt, &pod, &cfg, cc).await;
+    let remount = exec(
+        &mut rt,
+        &id,
+        "mount -o remount,bind,rw /ro 2>/dev/null; touch /ro/x 2>/dev/null; echo $?",
+    )
+    .await;
+    assert_eq!(remount, "1", "the read-only volume was made writable");
+    assert!(!ro.path().join("x").exists());
     let uid_map = exec(&mut rt, &id, "cat /proc/self/uid_map /proc/self/gid_map").await;
     let fields: Vec<Vec<&str>> = uid_map
         .lines()
@@ -2992,12 +3019,15 @@ async fn a_pod_with_its_own_user_namespace_runs_as_the_host_ids_it_maps() {
         "0:0\n0:0\n0:0\n0:0\n0:0"
     );
     // It writes as its root: to its rootfs and its volume, which the host sees as root's.
-    exec(
+    let wrote = exec(
         &mut rt,
         &id,
         "echo y > /vol/from-container && echo z > /written && id -u",
     )
     .await;
+    // The exec's process is the namespace's root (the host's root, unmapped, would show as
+    // 65534 and could not have written through the ID mapping).
+    assert_eq!(wrote, "0");
     let meta = std::fs::metadata(vol.path().join("from-container")).unwrap();
     use std::os::unix::fs::MetadataExt;
     assert_eq!((meta.uid(), meta.gid()), (0, 0));

@@ -107,12 +107,15 @@ pub fn is_dir(fd: &OwnedFd) -> std::io::Result<bool> {
 /// mount of it would be, with `propagation` all the way down. `source` resolves as mount(2)
 /// resolves a bind's source.
 /// With `userns`, the copy is ID-mapped through that user namespace (its root sees the
-/// files the host's root owns as its own).
+/// files the host's root owns as its own). `readonly` makes its top mount read-only
+/// (`recursive_readonly`: all of it) here, where the flag is then locked for a container in
+/// a user namespace of its own, which could otherwise remount its bind read-write.
 pub fn stage(
     source: &str,
     target: &Path,
     propagation: &str,
     userns: Option<&OwnedFd>,
+    (readonly, recursive_readonly): (bool, bool),
 ) -> Result<(), String> {
     use nix::fcntl::OFlag;
     let flag = self::propagation(propagation)?;
@@ -129,6 +132,14 @@ pub fn stage(
     .map_err(|e| format!("set the propagation of a copy of {source}: {e}"))?;
     if let Some(ns) = userns {
         idmap(&tree, ns).map_err(|e| format!("map the IDs of a copy of {source}: {e}"))?;
+    }
+    if readonly || recursive_readonly {
+        let ro = MountAttr {
+            attr_set: MOUNT_ATTR_RDONLY,
+            ..Default::default()
+        };
+        mount_setattr(&tree, recursive_readonly, &ro)
+            .map_err(|e| format!("make a copy of {source} read-only: {e}"))?;
     }
     let made = if is_dir(&tree).map_err(|e| format!("inspect {source}: {e}"))? {
         std::fs::DirBuilder::new().mode(0o700).create(target)

@@ -233,7 +233,7 @@ impl Runtime {
         );
         for i in to_stage {
             let m = &mut cs.mounts[i];
-            m.source = tokio::task::block_in_place(|| staged.add(&m.source, &m.propagation))
+            m.source = tokio::task::block_in_place(|| staged.add(m))
                 .map_err(|e| e.context(format!("container {}", req.name)))?;
         }
         let cgroups_path = cs.cgroups_path.clone();

@@ -385,8 +385,9 @@ impl Staged {
         }
     }
 
-    /// Stages `source` with `propagation`; the path to bind it from.
-    pub fn add(&mut self, source: &str, propagation: &str) -> Result<String> {
+    /// Stages `m`'s source with its propagation and read-only flags; the path to bind it from.
+    pub fn add(&mut self, m: &hako_runtime::spec::Mount) -> Result<String> {
+        let source = m.source.as_str();
         if self.made == 0 {
             use std::os::unix::fs::DirBuilderExt;
             // Traversable: in a user namespace the container's root binds from here (the
@@ -402,26 +403,37 @@ impl Staged {
             .map_err(|e| Error::io("change mode of", &self.dir, e))?;
         }
         let target = self.dir.join(self.made.to_string());
-        hako_runtime::mountapi::stage(source, &target, propagation, self.userns.as_ref()).map_err(
-            |e| {
-                // A target made before the mount failed goes with the rest.
-                self.made += 1;
-                Error::FailedPrecondition(format!("stage volume {source}: {e}"))
-            },
-        )?;
+        hako_runtime::mountapi::stage(
+            source,
+            &target,
+            &m.propagation,
+            self.userns.as_ref(),
+            (m.readonly, m.recursive_readonly),
+        )
+        .map_err(|e| {
+            // A target made before the mount failed goes with the rest.
+            self.made += 1;
+            Error::FailedPrecondition(format!("stage volume {source}: {e}"))
+        })?;
         self.made += 1;
         Ok(target.display().to_string())
     }
 
     /// Detaches whatever is mounted in `dir` and removes it.
     fn release(dir: &Path) {
+        // Never through a link put in its place (a bundle may be a user namespace root's).
+        if !std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
+            return;
+        }
         let Ok(entries) = std::fs::read_dir(dir) else {
             return;
         };
         for e in entries.flatten() {
             let p = e.path();
-            if let Err(e) = unmount(&p) {
-                tracing::warn!(error = %crate::error::chain(&e), "release a staged volume");
+            if let Err(e) = umount2(&p, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW) {
+                if e != nix::errno::Errno::EINVAL && e != nix::errno::Errno::ENOENT {
+                    tracing::warn!(path = %p.display(), error = %e, "release a staged volume");
+                }
             }
             let _ = std::fs::remove_dir(&p).or_else(|_| std::fs::remove_file(&p));
         }

@@ -272,12 +272,25 @@ pub fn container_spec(
             userns_text(pod.spec.userns.as_ref())
         )));
     }
+    // What a user namespace cannot have, or cannot give as asked (its mount namespace makes
+    // a shared mount a slave), refused rather than ignored.
+    let unfit = if sec.privileged {
+        Some("privileged".to_string())
+    } else if sec.pid == NsMode::Node {
+        Some("in the node's PID namespace".to_string())
+    } else {
+        req.mounts
+            .iter()
+            .find(|m| m.propagation == Propagation::Bidirectional)
+            .map(|m| format!("with Bidirectional mount {}", m.container_path))
+    };
     let user = match pod.spec.userns {
         None => None,
-        Some(_) if sec.privileged => {
+        Some(_) if unfit.is_some() => {
             return Err(Error::InvalidArgument(format!(
-                "container {}: privileged in a pod with a user namespace",
-                req.name
+                "container {}: {} in a pod with a user namespace",
+                req.name,
+                unfit.unwrap_or_default()
             )))
         }
         Some(_) => Some(Ns::Join(pod.namespaces.get("user").cloned().ok_or_else(
@@ -290,6 +303,15 @@ pub fn container_spec(
             },
         )?)),
     };
+    // kubelet asks for an unmasked /proc (procMount Unmasked, which it allows only with
+    // hostUsers: false) with empty lists, which the CRI cannot tell from none (a Default one
+    // comes with its lists): in a user namespace none means none. Elsewhere hako's defaults.
+    let unlisted = |given: &Option<Vec<String>>| match given {
+        None if user.is_some() => Some(Vec::new()),
+        g => g.clone(),
+    };
+    let (masked_paths, readonly_paths) =
+        (unlisted(&sec.masked_paths), unlisted(&sec.readonly_paths));
     let cgroup_parent = pod_cgroup(pod);
     let mut cs = ContainerSpec {
         args,
@@ -328,8 +350,8 @@ pub fn container_spec(
         }),
         sysctls: BTreeMap::new(),
         annotations: req.annotations.clone(),
-        masked_paths: sec.masked_paths.clone(),
-        readonly_paths: sec.readonly_paths.clone(),
+        masked_paths,
+        readonly_paths,
         cap_limit: inputs.cap_limit,
         seccomp: oci::Seccomp::Unconfined,
         apparmor_profile: inputs.apparmor_profile,
@@ -1085,16 +1107,42 @@ mod tests {
         check(in_userns, |p| {
             assert_eq!(p.spec.user, Some(Ns::Join("/pd/ns/user".into())));
             assert!(p.spec.no_cgroup_ns, "cgroup v1 in the test inputs");
+            // No lists: unmasked, as kubelet's procMount Unmasked; given lists stay.
+            assert_eq!(p.spec.masked_paths, Some(vec![]));
+            assert_eq!(p.spec.readonly_paths, Some(vec![]));
         });
+        check(
+            |c| {
+                in_userns(c);
+                c.req.security.masked_paths = Some(vec!["/proc/kcore".into()]);
+            },
+            |p| assert_eq!(p.spec.masked_paths, Some(vec!["/proc/kcore".to_string()])),
+        );
+        check(|_| {}, |p| assert_eq!(p.spec.masked_paths, None));
         let other = ids(131072);
         type Tweak = Box<dyn Fn(&mut Case)>;
-        let tweaks: [(Tweak, &str); 4] = [
+        let tweaks: [(Tweak, &str); 6] = [
             (Box::new(|c| c.req.userns = None), "is not its pod's"),
             (
                 Box::new(move |c| c.req.userns = Some(other)),
                 "is not its pod's",
             ),
             (Box::new(|c| c.req.security.privileged = true), "privileged"),
+            (
+                Box::new(|c| c.req.security.pid = NsMode::Node),
+                "node's PID namespace",
+            ),
+            (
+                Box::new(|c| {
+                    c.req.mounts = vec![MountReq {
+                        container_path: "/b".into(),
+                        host_path: "/srv/b".into(),
+                        propagation: Propagation::Bidirectional,
+                        ..Default::default()
+                    }]
+                }),
+                "Bidirectional mount /b",
+            ),
             (
                 Box::new(|c| {
                     c.pod.namespaces.remove("user");

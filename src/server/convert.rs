@@ -123,6 +123,10 @@ pub fn userns(
                         m.length, m.host_id
                     ));
                 }
+                // The container's root would be the node's, owning what the node's root owns.
+                if m.host_id == 0 {
+                    return bad(format!("{kind} mapping maps the node's root (host ID 0)"));
+                }
                 ranges.push(hako_runtime::monitor::IdRange {
                     host_id: m.host_id,
                     length: m.length,
@@ -814,6 +818,14 @@ mod tests {
             (
                 ns(cri::NamespaceMode::Pod, vec![map(0, 5, 0)], good.clone()),
                 "is empty",
+            ),
+            (
+                ns(
+                    cri::NamespaceMode::Pod,
+                    good.clone(),
+                    vec![map(0, 0, 65536)],
+                ),
+                "GID mapping maps the node's root",
             ),
             (
                 ns(cri::NamespaceMode::Container, vec![], vec![]),

@@ -115,8 +115,20 @@ pub(super) fn prepare(bundle: &Path, target_ns: Option<RawFd>) -> Result<Option<
 /// Writes `bytes` to `path` through a temp file and a rename (never a half-written spec),
 /// keeping the file's mode.
 fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let tmp = path.with_extension("json.tmp");
-    let mut f = std::fs::File::create(&tmp)?;
+    // Never through a link left there (the bundle of a pod with a user namespace is its
+    // root's): a new file of this process's.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(&tmp)?;
     if let Ok(md) = std::fs::metadata(path) {
         f.set_permissions(md.permissions())?;
     }

@@ -365,6 +365,12 @@ pub(super) async fn in_helper(
         nix::unistd::ForkResult::Child => {
             drop(r);
             drop(release_w);
+            // Not dumpable from the start, nor anything it forks: what it forks into a pod's
+            // PID namespace (`joined_pid`) is the host's root there, in the pod's user
+            // namespace when it has one, where a container given CAP_SYS_PTRACE could
+            // otherwise attach to it (libcontainer sets this only when it builds).
+            // SAFETY: prctl on this process only.
+            unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0) };
             drop_signal_handlers();
             let mut keep = vec![
                 0,
