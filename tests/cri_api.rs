@@ -572,11 +572,7 @@ async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_t
             ..Default::default()
         };
         let mut bad = pod_config("userns", logs.path());
-        bad.linux
-            .get_or_insert_with(Default::default)
-            .security_context
-            .get_or_insert_with(Default::default)
-            .namespace_options = Some(ns.clone());
+        bad.sc().namespace_options = Some(ns.clone());
         let e = rt
             .run_pod_sandbox(cri::RunPodSandboxRequest {
                 config: Some(bad),
@@ -591,11 +587,7 @@ async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_t
         );
         // A container asks for it: refused the same way.
         let mut cc = container_config("userns-ctr", &["sleep", "60"]);
-        cc.linux
-            .get_or_insert_with(Default::default)
-            .security_context
-            .get_or_insert_with(Default::default)
-            .namespace_options = Some(ns);
+        cc.sc().namespace_options = Some(ns);
         let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
         assert_eq!(e.code(), code, "container with {userns:?}: {e:?}");
         assert!(
@@ -605,11 +597,7 @@ async fn strings_a_process_cannot_carry_and_user_namespaces_are_refused_naming_t
     }
     // A container asking for a user namespace its pod does not have is refused.
     let mut cc = container_config("userns-ctr", &["sleep", "60"]);
-    cc.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .namespace_options = Some(cri::NamespaceOption {
+    cc.sc().namespace_options = Some(cri::NamespaceOption {
         userns_options: Some(pod_mode(vec![map(0, 65536, 65536)])),
         ..Default::default()
     });

@@ -144,7 +144,10 @@ async fn a_local_user_reaches_nothing_of_hako_while_a_pod_runs() {
     assert_eq!(mode(&h.root), 0o700);
     assert_eq!(mode(&h.root.join("meta.db")), 0o600);
     assert_eq!(mode(&h.state.join("pods")), 0o700);
-    assert_eq!(mode(&h.state.join("containers")), 0o700);
+    // Traversable only (the root of a pod's user namespace reaches its bundle through it);
+    // each bundle owner only.
+    assert_eq!(mode(&h.state.join("containers")), 0o711);
+    assert_eq!(mode(&h.state.join("containers").join(&cid)), 0o700);
     assert_eq!(
         mode(&logs.path().join("suid.log")),
         0o640,

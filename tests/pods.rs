@@ -2853,18 +2853,10 @@ async fn a_volume_below_another_keeps_its_own_propagation() {
     let mut rt = h.runtime().await;
     let logs = tempfile::tempdir().unwrap();
     let mut cfg = pod_config("nested-propagation", logs.path());
-    cfg.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .privileged = true;
+    cfg.sc().privileged = true;
     let pod = run_pod(&mut rt, &cfg).await;
     let mut cc = container_config("plugin", &["sleep", "60"]);
-    cc.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .privileged = true;
+    cc.sc().privileged = true;
     cc.mounts = vec![
         cri::Mount {
             container_path: "/var/lib/kubelet".into(),
@@ -2914,7 +2906,7 @@ async fn a_volume_below_another_keeps_its_own_propagation() {
 /// lands as the host's root's; exec runs in the same namespace; nothing is left behind.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_with_its_own_user_namespace_runs_as_the_host_ids_it_maps() {
-    let Some((_reg, h)) = ready().await else {
+    let Some((_reg, mut h)) = ready().await else {
         return;
     };
     let mut rt = h.runtime().await;
@@ -2953,25 +2945,13 @@ async fn a_pod_with_its_own_user_namespace_runs_as_the_host_ids_it_maps() {
         }),
         ..Default::default()
     };
-    cfg.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .namespace_options = Some(ns.clone());
+    cfg.sc().namespace_options = Some(ns.clone());
     let pod = run_pod(&mut rt, &cfg).await;
     let mut cc = container_config("c", &["sleep", "600"]);
-    cc.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .namespace_options = Some(ns.clone());
+    cc.sc().namespace_options = Some(ns.clone());
     // CAP_SYS_ADMIN in its user namespace, which a pod may add: it may mount, but not make
     // a read-only volume writable.
-    cc.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .capabilities = Some(cri::Capability {
+    cc.sc().capabilities = Some(cri::Capability {
         add_capabilities: vec!["SYS_ADMIN".into()],
         ..Default::default()
     });
@@ -3042,14 +3022,31 @@ async fn a_pod_with_its_own_user_namespace_runs_as_the_host_ids_it_maps() {
     };
     assert_eq!(ids("Uid:"), ["165536"; 4], "{st}");
     assert_eq!(ids("Gid:"), ["165536"; 4], "{st}");
+    // The daemon killed and started again: the pod's user namespace is still its containers',
+    // for an exec and for a new container.
+    h.kill9();
+    h.restart();
+    let mut rt = h.runtime().await;
+    let uid_map = |out: String| {
+        out.split_whitespace()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        uid_map(exec(&mut rt, &id, "cat /proc/self/uid_map").await),
+        ["0", "165536", "65536"]
+    );
+    let mut cc = container_config("after-restart", &["sleep", "600"]);
+    cc.sc().namespace_options = Some(ns.clone());
+    let again = run_container(&mut rt, &pod, &cfg, cc).await;
+    assert_eq!(
+        uid_map(exec(&mut rt, &again, "cat /proc/self/uid_map").await),
+        ["0", "165536", "65536"]
+    );
     // A container asking for another user namespace than its pod's, or none, is refused.
     for other in [None, Some(cri::NamespaceOption::default())] {
         let mut cc = container_config("other", &["sleep", "600"]);
-        cc.linux
-            .get_or_insert_with(Default::default)
-            .security_context
-            .get_or_insert_with(Default::default)
-            .namespace_options = other;
+        cc.sc().namespace_options = other;
         let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
         assert!(e.message().contains("is not its pod's"), "{e:?}");
@@ -3079,11 +3076,7 @@ async fn a_pod_with_its_own_user_namespace_runs_as_the_host_ids_it_maps() {
         ),
     ] {
         let mut cc = container_config("unmappable", &["sleep", "600"]);
-        cc.linux
-            .get_or_insert_with(Default::default)
-            .security_context
-            .get_or_insert_with(Default::default)
-            .namespace_options = Some(ns.clone());
+        cc.sc().namespace_options = Some(ns.clone());
         cc.mounts = vec![m];
         let e = create_container_err(&mut rt, &pod, &cfg, cc).await;
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
@@ -3096,18 +3089,10 @@ async fn a_pod_with_its_own_user_namespace_runs_as_the_host_ids_it_maps() {
     let mut ns = ns;
     ns.pid = cri::NamespaceMode::Container as i32;
     let mut cfg = pod_config("userns-pid", logs.path());
-    cfg.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .namespace_options = Some(ns.clone());
+    cfg.sc().namespace_options = Some(ns.clone());
     let pod = run_pod(&mut rt, &cfg).await;
     let mut cc = container_config("c", &["sleep", "600"]);
-    cc.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .namespace_options = Some(ns);
+    cc.sc().namespace_options = Some(ns);
     let id = run_container(&mut rt, &pod, &cfg, cc).await;
     assert_eq!(
         exec(
@@ -3157,18 +3142,10 @@ async fn a_volume_inside_a_private_one_does_not_reach_the_host() {
     let mut rt = h.runtime().await;
     let logs = tempfile::tempdir().unwrap();
     let mut cfg = pod_config("inner-volume", logs.path());
-    cfg.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .privileged = true;
+    cfg.sc().privileged = true;
     let pod = run_pod(&mut rt, &cfg).await;
     let mut cc = container_config("c", &["sleep", "60"]);
-    cc.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .privileged = true;
+    cc.sc().privileged = true;
     cc.mounts = vec![
         cri::Mount {
             container_path: "/bidir".into(),
@@ -3254,14 +3231,7 @@ async fn mounts_on_dev_keep_the_containers_own_off_the_host_and_read_only_source
     let mut rt = h.runtime().await;
     let logs = tempfile::tempdir().unwrap();
     let mut cfg = pod_config("devshared", logs.path());
-    let privileged = |sc: &mut Option<cri::LinuxContainerSecurityContext>| {
-        sc.get_or_insert_with(Default::default).privileged = true;
-    };
-    cfg.linux
-        .get_or_insert_with(Default::default)
-        .security_context
-        .get_or_insert_with(Default::default)
-        .privileged = true;
+    cfg.sc().privileged = true;
     let pod = run_pod(&mut rt, &cfg).await;
     let below_dev = |mountinfo: &str| -> Vec<String> {
         let prefix = format!("{}/", dev.display());
@@ -3274,12 +3244,7 @@ async fn mounts_on_dev_keep_the_containers_own_off_the_host_and_read_only_source
 
     let mut cc = container_config("shared", &["sleep", "60"]);
     cc.tty = true;
-    privileged(
-        &mut cc
-            .linux
-            .get_or_insert_with(Default::default)
-            .security_context,
-    );
+    cc.sc().privileged = true;
     cc.mounts = vec![cri::Mount {
         container_path: "/dev".into(),
         host_path: dev.display().to_string(),
@@ -3304,12 +3269,7 @@ async fn mounts_on_dev_keep_the_containers_own_off_the_host_and_read_only_source
 
     // A private /dev beside a Bidirectional volume (a shared root): private in the container.
     let mut cc = container_config("private", &["sleep", "60"]);
-    privileged(
-        &mut cc
-            .linux
-            .get_or_insert_with(Default::default)
-            .security_context,
-    );
+    cc.sc().privileged = true;
     cc.mounts = vec![
         cri::Mount {
             container_path: "/bidir".into(),

@@ -481,11 +481,7 @@ pub struct PropagationFix {
 /// propagated by then (as before this existed).
 pub fn propagation_fixes(s: &ContainerSpec) -> Vec<PropagationFix> {
     let root = root_propagation(s);
-    let parts: Vec<Vec<&str>> = s
-        .mounts
-        .iter()
-        .map(|m| lexical_parts(&m.destination))
-        .collect();
+    let parts = destination_parts(s);
     s.mounts
         .iter()
         .zip(&parts)
@@ -498,13 +494,10 @@ pub fn propagation_fixes(s: &ContainerSpec) -> Vec<PropagationFix> {
             if want == root || mine.is_empty() || is_late(s, m) {
                 return None;
             }
-            let nests = parts
-                .iter()
-                .any(|o| o.len() > mine.len() && o.starts_with(mine));
             Some(PropagationFix {
                 destination: m.destination.clone(),
                 propagation: want.to_string(),
-                recursive: !nests,
+                recursive: !has_mount_below(&parts, mine),
             })
         })
         .collect()
@@ -522,11 +515,7 @@ pub fn staged_mounts(s: &ContainerSpec) -> Vec<usize> {
     if root_propagation(s) != "rshared" {
         return Vec::new();
     }
-    let parts: Vec<Vec<&str>> = s
-        .mounts
-        .iter()
-        .map(|m| lexical_parts(&m.destination))
-        .collect();
+    let parts = destination_parts(s);
     s.mounts
         .iter()
         .zip(&parts)
@@ -535,12 +524,24 @@ pub fn staged_mounts(s: &ContainerSpec) -> Vec<usize> {
             m.propagation != "rshared"
                 && !mine.is_empty()
                 && !is_late(s, m)
-                && parts
-                    .iter()
-                    .any(|o| o.len() > mine.len() && o.starts_with(mine))
+                && has_mount_below(&parts, mine)
         })
         .map(|(i, _)| i)
         .collect()
+}
+
+/// Each of `s`'s mount destinations as its lexical parts.
+fn destination_parts(s: &ContainerSpec) -> Vec<Vec<&str>> {
+    s.mounts
+        .iter()
+        .map(|m| lexical_parts(&m.destination))
+        .collect()
+}
+
+/// Whether one of `all` lies strictly below `mine`.
+fn has_mount_below(all: &[Vec<&str>], mine: &[&str]) -> bool {
+    all.iter()
+        .any(|o| o.len() > mine.len() && o.starts_with(mine))
 }
 
 /// Whether the mount destination `dest` is /dev or below it, symlinks aside.

@@ -364,6 +364,22 @@ pub fn container_req(c: cri::ContainerConfig) -> Result<ContainerSpecReq, Error>
         ns.userns_options.as_ref(),
         &format!("container {}", md.name),
     )?;
+    // kubelet gives each mount its container's mappings, which are what hako maps every mount
+    // with; other mappings (or any without a user namespace) it cannot honour.
+    if let Some(m) = c.mounts.iter().find(|m| {
+        let mapped = !m.uid_mappings.is_empty() || !m.gid_mappings.is_empty();
+        let own = ns
+            .userns_options
+            .as_ref()
+            .filter(|_| userns.is_some())
+            .is_some_and(|u| u.uids == m.uid_mappings && u.gids == m.gid_mappings);
+        mapped && !own
+    }) {
+        return Err(Error::InvalidArgument(format!(
+            "container {}: mount {}: ID mappings other than its user namespace's are not supported",
+            md.name, m.container_path
+        )));
+    }
     let oom_score_adj = (r.oom_score_adj != 0).then_some(r.oom_score_adj);
     Ok(ContainerSpecReq {
         name: md.name,
@@ -1004,6 +1020,64 @@ mod tests {
         }
         let req = container_req(with("A", b"x=y")).unwrap();
         assert_eq!(req.envs, vec![("A".to_string(), "x=y".to_string())]);
+    }
+
+    #[test]
+    fn a_mounts_id_mappings_must_be_its_user_namespaces() {
+        let map = |host_id| {
+            vec![cri::IdMapping {
+                container_id: 0,
+                host_id,
+                length: 65536,
+            }]
+        };
+        let with = |mount_ids: Vec<cri::IdMapping>, userns: Option<Vec<cri::IdMapping>>| {
+            cri::ContainerConfig {
+                metadata: Some(cri::ContainerMetadata {
+                    name: "c".into(),
+                    attempt: 0,
+                }),
+                mounts: vec![cri::Mount {
+                    container_path: "/v".into(),
+                    host_path: "/srv/v".into(),
+                    uid_mappings: mount_ids.clone(),
+                    gid_mappings: mount_ids,
+                    ..Default::default()
+                }],
+                linux: Some(cri::LinuxContainerConfig {
+                    security_context: Some(cri::LinuxContainerSecurityContext {
+                        namespace_options: Some(cri::NamespaceOption {
+                            userns_options: Some(match userns {
+                                Some(ids) => cri::UserNamespace {
+                                    mode: cri::NamespaceMode::Pod as i32,
+                                    uids: ids.clone(),
+                                    gids: ids,
+                                },
+                                None => cri::UserNamespace {
+                                    mode: cri::NamespaceMode::Node as i32,
+                                    ..Default::default()
+                                },
+                            }),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }
+        };
+        // As kubelet sends them: the container's own, or none.
+        assert!(container_req(with(map(65536), Some(map(65536)))).is_ok());
+        assert!(container_req(with(vec![], Some(map(65536)))).is_ok());
+        assert!(container_req(with(vec![], None)).is_ok());
+        for (mount_ids, userns) in [(map(131072), Some(map(65536))), (map(65536), None)] {
+            let e = container_req(with(mount_ids, userns)).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.contains("mount /v: ID mappings")),
+                "{e:?}"
+            );
+        }
     }
 
     #[test]

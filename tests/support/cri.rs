@@ -85,6 +85,32 @@ pub fn with_namespaces(
     cfg
 }
 
+/// A config's Linux security context, made if missing.
+pub trait Secured {
+    type Context;
+    fn sc(&mut self) -> &mut Self::Context;
+}
+
+impl Secured for cri::ContainerConfig {
+    type Context = cri::LinuxContainerSecurityContext;
+    fn sc(&mut self) -> &mut Self::Context {
+        self.linux
+            .get_or_insert_with(Default::default)
+            .security_context
+            .get_or_insert_with(Default::default)
+    }
+}
+
+impl Secured for cri::PodSandboxConfig {
+    type Context = cri::LinuxSandboxSecurityContext;
+    fn sc(&mut self) -> &mut Self::Context {
+        self.linux
+            .get_or_insert_with(Default::default)
+            .security_context
+            .get_or_insert_with(Default::default)
+    }
+}
+
 pub fn container_config(name: &str, cmd: &[&str]) -> cri::ContainerConfig {
     cri::ContainerConfig {
         metadata: Some(cri::ContainerMetadata {

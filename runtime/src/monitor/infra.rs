@@ -87,18 +87,7 @@ fn make_userns(dir: &Path, u: &UserNs) -> Result<String> {
         }
         let ns_dir = dir.join("ns");
         std::fs::create_dir_all(&ns_dir).map_err(|e| Error::io("create", &ns_dir, e))?;
-        let target = ns_dir.join("user");
-        std::fs::File::create(&target).map_err(|e| Error::io("create", &target, e))?;
-        let source = format!("{proc}/ns/user");
-        mount(
-            Some(source.as_str()),
-            &target,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .map_err(|e| Error::sys(format!("pin user namespace at {}", target.display()), e))?;
-        Ok(target.to_string_lossy().into_owned())
+        pin_one(&ns_dir, child, "user", "user")
     })();
     drop(done_w);
     let _ = waitpid(child, None);
@@ -521,23 +510,28 @@ fn pin(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
     let ns_dir = opts.dir.join("ns");
     std::fs::create_dir_all(&ns_dir).map_err(|e| Error::io("create", &ns_dir, e))?;
     for (kind, file, wanted) in [("network", "net", ns.network), ("pid", "pid", ns.pid)] {
-        if !wanted {
-            continue;
+        if wanted {
+            paths.insert(kind.to_string(), pin_one(&ns_dir, infra, kind, file)?);
         }
-        let target = ns_dir.join(file);
-        std::fs::File::create(&target).map_err(|e| Error::io("create", &target, e))?;
-        let source = format!("/proc/{}/ns/{file}", infra.as_raw());
-        mount(
-            Some(source.as_str()),
-            &target,
-            None::<&str>,
-            MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .map_err(|e| Error::sys(format!("pin {kind} namespace at {}", target.display()), e))?;
-        paths.insert(kind.to_string(), target.to_string_lossy().into_owned());
     }
     Ok(paths)
+}
+
+/// Pins process `pid`'s namespace `file` (of `kind`, for errors) at `<ns_dir>/<file>` with a
+/// bind mount; its path.
+fn pin_one(ns_dir: &Path, pid: Pid, kind: &str, file: &str) -> Result<String> {
+    let target = ns_dir.join(file);
+    std::fs::File::create(&target).map_err(|e| Error::io("create", &target, e))?;
+    let source = format!("/proc/{}/ns/{file}", pid.as_raw());
+    mount(
+        Some(source.as_str()),
+        &target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(|e| Error::sys(format!("pin {kind} namespace at {}", target.display()), e))?;
+    Ok(target.to_string_lossy().into_owned())
 }
 
 /// The pod's IPC and UTS namespaces are held by descriptors the monitor keeps open, not by
