@@ -602,6 +602,83 @@ async fn a_pods_init_dies_with_its_monitor() {
     assert_no_leaks(&h, &pod);
 }
 
+/// Host processes of hako's binary that are PID 1 of a namespace of their own: pods' PID 1s.
+fn pod_pid_1s() -> Vec<i32> {
+    let exe = support::hako::Hako::binary();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|p| p == exe))
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status")).is_ok_and(|s| {
+                s.lines().any(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    f.len() == 3 && f[0] == "NSpid:" && f[2] == "1"
+                })
+            })
+        })
+        .collect()
+}
+
+/// A monitor killed while its pod's infra process is still making the pod's namespaces,
+/// before the pod's PID 1 exists: the start fails and no PID 1 is left. The infra process took
+/// the monitor from getppid(), the host's init by then, and tied the PID 1 it made to init,
+/// which never exits (seen after churn's monitor kills, an hour later).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_monitor_killed_while_its_pod_starts_leaves_no_pod_pid_1() {
+    if !support::e2e_ready(&[]) {
+        return;
+    }
+    let h = support::hako::Hako::start_with_env("", &[("HAKO_TEST_INFRA_STALL_MS", "3000")]);
+    let logs = tempfile::tempdir().unwrap();
+    let cfg = shared_pid_pod("stalled", logs.path());
+    let before = pod_pid_1s();
+    let mut rt = h.runtime().await;
+    let start = tokio::spawn(async move {
+        rt.run_pod_sandbox(cri::RunPodSandboxRequest {
+            config: Some(cfg),
+            runtime_handler: String::new(),
+        })
+        .await
+    });
+    // Its monitor: the one whose options name the pod's hostname.
+    let monitor = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let found = monitor.clone();
+    support::wait_for("the pod's monitor", Duration::from_secs(10), move || {
+        let m = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<i32>().ok()?;
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd);
+            (cmd.contains("monitor") && cmd.contains("stalled-host")).then_some(pid)
+        });
+        *found.lock().unwrap() = m;
+        m.is_some()
+    })
+    .await;
+    let monitor = monitor.lock().unwrap().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(monitor),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let r = start.await.unwrap();
+    assert!(r.is_err(), "{r:?}");
+    // Past the stall, when the infra process would have gone on to make the PID 1.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let left: Vec<i32> = pod_pid_1s()
+        .into_iter()
+        .filter(|p| !before.contains(p))
+        .collect();
+    for p in &left {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*p),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    assert!(left.is_empty(), "pods' PID 1s left: {left:?}");
+}
+
 /// The pod's PID 1 (hako's infra process, where containerd and CRI-O have a pause container)
 /// is every container's /proc/1. A container reads its mount table without any privilege, and
 /// one granted CAP_SYS_PTRACE reaches its root, cwd and memory: it must hold nothing of the

@@ -134,8 +134,21 @@ fn set_sysctl(key: &str, value: &str) -> Result<()> {
     std::fs::write(&path, value).map_err(|e| Error::sys(format!("sysctl {key}={value}"), e))
 }
 
-/// Runs in the forked child: never returns.
-fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
+/// Runs in the forked child: never returns. `monitor` is a pidfd of the monitor, opened by
+/// it before the fork: should the monitor die before this process asks for its parent, that
+/// parent is the host's init (never the monitor again), and a parent-death signal or a pidfd
+/// taken from `getppid()` would tie the pod's PID 1 to init, which never exits (seen: a pod's
+/// PID 1 left for an hour after churn's monitor kills).
+fn infra_child(opts: &Options, monitor: libc::c_int, mut report: std::fs::File) -> ! {
+    // With the monitor from the start, and gone at once if it is gone already.
+    die_with_monitor(monitor);
+    // Tests widen the window in which the monitor may die before the pod's PID 1 exists.
+    if let Some(ms) = std::env::var("HAKO_TEST_INFRA_STALL_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
     // The daemon's readiness pipe is the monitor's to answer, not ours to hold open.
     // SAFETY: closing an fd this process does not otherwise use.
     unsafe { libc::close(super::READY_FD) };
@@ -183,12 +196,11 @@ fn infra_child(opts: &Options, mut report: std::fs::File) -> ! {
         // child (CLONE_PARENT), so it can die with the monitor (PR_SET_PDEATHSIG fires when
         // the parent goes): a pod's init never outlives the monitor that answers for it, and
         // no one has to search for it afterwards.
-        // With CLONE_PARENT the new init's parent is this process's: the monitor. Held by a
-        // pidfd (the child, in its new PID namespace, cannot name it by pid).
-        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-        let monitor =
-            unsafe { libc::syscall(libc::SYS_pidfd_open, nix::unistd::getppid().as_raw(), 0) }
-                as libc::c_int;
+        // With CLONE_PARENT the new init's parent is this process's: the monitor, held by
+        // the pidfd it opened before forking (the child, in its new PID namespace, cannot name
+        // it by pid). Checked again right before the clone: a monitor gone since would make
+        // the host's init the new process's parent.
+        die_with_monitor(monitor);
         // SAFETY: a fork-like clone (no new stack, no shared memory) of a single-threaded
         // process; the child only makes system calls.
         let child = unsafe {
@@ -435,14 +447,26 @@ pub fn spawn(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>)> {
 fn spawn_infra(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>)> {
     let ns = opts.namespaces;
     let (r, w) = nix::unistd::pipe().map_err(|e| Error::sys("pipe", e))?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let me = unsafe { libc::syscall(libc::SYS_pidfd_open, std::process::id(), 0) } as libc::c_int;
+    if me < 0 {
+        return Err(Error::sys("pidfd_open", std::io::Error::last_os_error()));
+    }
+    // SAFETY: a new fd, ours alone; closed in the monitor once the fork is made.
+    let me = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(me) };
     // SAFETY: called before the monitor starts any thread.
     let pid = match unsafe { fork() }.map_err(|e| Error::sys("fork infra", e))? {
         ForkResult::Child => {
             drop(r);
-            infra_child(opts, std::fs::File::from(w))
+            infra_child(
+                opts,
+                std::os::fd::AsRawFd::as_raw_fd(&me),
+                std::fs::File::from(w),
+            )
         }
         ForkResult::Parent { child } => child,
     };
+    drop(me);
     drop(w);
     let mut msg = String::new();
     std::fs::File::from(r)
