@@ -159,12 +159,7 @@ impl Runtime {
         // sets it up (and is no other user of the node).
         rootfs::create_dirs(&bundle, 0o700)?;
         if let Some(ids) = &pod.spec.userns {
-            nix::unistd::chown(
-                &bundle,
-                Some(nix::unistd::Uid::from_raw(ids.uid.host_id)),
-                Some(nix::unistd::Gid::from_raw(ids.gid.host_id)),
-            )
-            .map_err(|e| Error::io("change owner of", &bundle, e.into()))?;
+            rootfs::give_to_userns_root(&bundle, ids)?;
         }
         match (&userns, &pod.spec.userns) {
             (Some(ns), Some(ids)) => tokio::task::block_in_place(|| {
@@ -223,14 +218,7 @@ impl Runtime {
             Some(_) => (0..cs.mounts.len()).collect(),
             None => hako_runtime::spec::staged_mounts(&cs),
         };
-        let mut staged = rootfs::Staged::new(
-            &bundle,
-            userns
-                .as_ref()
-                .map(|f| f.try_clone())
-                .transpose()
-                .map_err(|e| Error::io("duplicate", Path::new("the pod's user namespace"), e))?,
-        );
+        let mut staged = rootfs::Staged::new(&bundle, userns);
         for i in to_stage {
             let m = &mut cs.mounts[i];
             m.source = tokio::task::block_in_place(|| staged.add(m))
@@ -431,8 +419,7 @@ impl Runtime {
             apparmor_profile: apparmor_profile(sec, &req.name)?,
             oom_floor: self.oom_floor,
             cap_limit: self.cap_limit.clone(),
-            cgroup2: nix::sys::statfs::statfs("/sys/fs/cgroup")
-                .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC),
+            cgroup2: self.cgroup2,
         })
     }
 

@@ -208,6 +208,8 @@ pub struct Runtime {
     /// Why pods cannot have a user namespace of their own here, if they cannot (tried once at
     /// start: `rootfs::userns_probe`).
     userns_missing: Option<String>,
+    /// The node's cgroups are cgroup v2 (unified): read once at start, not at every create.
+    cgroup2: bool,
 }
 
 /// What the CRI layer shows of a pod: its record, and NotReady while its monitor does not
@@ -258,6 +260,8 @@ impl Runtime {
         }
         Runtime {
             userns_missing,
+            cgroup2: nix::sys::statfs::statfs("/sys/fs/cgroup")
+                .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::CGROUP2_SUPER_MAGIC),
             oom_floor: host::oom_floor(config.restrict_oom_score_adj, &cap_limit),
             volatile_layers: std::sync::atomic::AtomicBool::new(!config.sync_writable_layers),
             store,

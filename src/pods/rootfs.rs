@@ -72,6 +72,16 @@ fn overlay_dirs(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Path) ->
     Ok(())
 }
 
+/// Makes `path` owned by the host IDs of the root of the user namespace `ids` maps.
+pub fn give_to_userns_root(path: &Path, ids: &hako_runtime::monitor::UserNs) -> Result<()> {
+    nix::unistd::chown(
+        path,
+        Some(nix::unistd::Uid::from_raw(ids.uid.host_id)),
+        Some(nix::unistd::Gid::from_raw(ids.gid.host_id)),
+    )
+    .map_err(|e| Error::io("change owner of", path, e.into()))
+}
+
 /// `mount_overlay` for a container in the user namespace `ns` (`ids` its mappings): the
 /// layers ID-mapped through it, the writable layer's root its root's on the host
 /// (`hako_runtime::mountapi::overlay_idmapped`).
@@ -85,12 +95,7 @@ pub fn mount_overlay_userns(
     volatile: &AtomicBool,
 ) -> Result<()> {
     overlay_dirs(lowers, upper, work, target)?;
-    nix::unistd::chown(
-        upper,
-        Some(nix::unistd::Uid::from_raw(ids.uid.host_id)),
-        Some(nix::unistd::Gid::from_raw(ids.gid.host_id)),
-    )
-    .map_err(|e| Error::io("change owner of", upper, e.into()))?;
+    give_to_userns_root(upper, ids)?;
     hako_runtime::mountapi::overlay_idmapped(
         lowers,
         upper,

@@ -241,7 +241,7 @@ pub fn container_spec(
         }
     }
     // A pod with a user namespace has its network and PID ones held by the monitor too:
-    // joined through those (see `infra::hold_ipc_uts`).
+    // joined through those (see `infra::hold_by_fd`).
     let held = |kind: &str| {
         pod.namespaces
             .get(&format!("{kind}-held"))

@@ -2,7 +2,7 @@
 //! unshares the namespaces the pod gets of its own (network, IPC, UTS, and PID when the pod
 //! shares one), sets the hostname, brings up loopback and applies network sysctls. The monitor
 //! then bind-mounts the network and PID namespace files under `<pod dir>/ns/` and holds the
-//! IPC and UTS ones open (see `hold_ipc_uts`); containers join them all by path.
+//! IPC and UTS ones open (see `hold_by_fd`); containers join them all by path.
 //! With a pod PID namespace the infra process is its PID 1: it reaps the orphans of the pod.
 //! Without one it exits as soon as the namespaces are held, so an idle pod is the monitor
 //! alone; a pod that shares every namespace with the host forks nothing.
@@ -503,7 +503,7 @@ fn spawn_infra(opts: &Options) -> Result<(Option<Pid>, HashMap<String, String>)>
         }
     }
     let pinned = pin(opts, infra).and_then(|mut paths| {
-        hold_ipc_uts(opts, infra)?.into_iter().for_each(|(k, v)| {
+        hold_by_fd(opts, infra)?.into_iter().for_each(|(k, v)| {
             paths.insert(k, v);
         });
         Ok(paths)
@@ -567,7 +567,7 @@ fn pin_one(ns_dir: &Path, pid: Pid, kind: &str, file: &str) -> Result<String> {
 /// which exec before the namespaces are joined), so it has the same descriptor at the same
 /// number, and the path can name nothing else. The monitor itself stays in the namespaces it
 /// was started in (the runtime's), where OCI hooks run.
-fn hold_ipc_uts(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
+fn hold_by_fd(opts: &Options, infra: Pid) -> Result<HashMap<String, String>> {
     use std::os::fd::AsRawFd;
     let ns = opts.namespaces;
     let mut paths = HashMap::new();
